@@ -1,0 +1,137 @@
+"""`invoke inspect`: read library source inside a host's venv, and check it for drift."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+from .errors import ServopsError
+from .output import console, is_tty
+from .remote_exec import run_program
+from .transport import HostSession
+
+
+def parse_range(spec: str) -> tuple[int | None, int | None]:
+    """sed-style range: `60:90`, `60,90`, `60:`, `:90`, `60` (one line), `60:+10` (ten after)."""
+    m = re.fullmatch(r"\s*(\d*)\s*(?:([:,])\s*(\+?)(\d*))?\s*", spec or "")
+    if not m or (not m.group(1) and not m.group(4)):
+        raise ServopsError(f"--lines {spec!r}: expected START:END (e.g. 60:90), START:, :END, START or START:+N")
+    start = int(m.group(1)) if m.group(1) else None
+    if m.group(2) is None:
+        return start, start
+    end = int(m.group(4)) if m.group(4) else None
+    if m.group(3):
+        if start is None or end is None:
+            raise ServopsError(f"--lines {spec!r}: START:+N needs both START and N")
+        end = start + end
+    if start is not None and start < 1:
+        raise ServopsError(f"--lines {spec!r}: line numbers start at 1")
+    if start is not None and end is not None and end < start:
+        raise ServopsError(f"--lines {spec!r}: end {end} is before start {start}")
+    return start, end
+
+
+@dataclass
+class InspectRequest:
+    file: str
+    lines: str | None = None
+    symbol: str | None = None
+    grep: str | None = None
+    context: int = 0
+    allow_outside: bool = False
+
+    def program_args(self) -> dict:
+        if not self.file:
+            raise ServopsError("inspect needs --file PATH (relative to site-packages), or --verify DIST")
+        chosen = [n for n, v in (("--lines", self.lines), ("--symbol", self.symbol), ("--grep", self.grep)) if v]
+        if len(chosen) > 1:
+            raise ServopsError(f"inspect: choose one of {' / '.join(chosen)}, not several")
+        if self.context < 0:
+            raise ServopsError("--context must be 0 or more")
+        args = {"file": self.file, "allow_outside": bool(self.allow_outside)}
+        if self.lines:
+            start, end = parse_range(self.lines)
+            args.update(mode="lines", start=start, end=end)
+        elif self.symbol:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", self.symbol):
+                raise ServopsError(f"--symbol {self.symbol!r}: expected a name like get_cuda_version or Class.method")
+            args.update(mode="symbol", symbol=self.symbol)
+        elif self.grep:
+            try:
+                re.compile(self.grep)
+            except re.error as exc:
+                raise ServopsError(f"--grep {self.grep!r}: invalid regular expression: {exc}") from None
+            args.update(mode="grep", pattern=self.grep, context=self.context)
+        else:
+            args.update(mode="all")
+        return args
+
+
+def inspect_file(hs: HostSession, req: InspectRequest) -> dict:
+    return run_program(hs, "inspect_file", req.program_args())
+
+
+def verify_dist(hs: HostSession, dist: str) -> dict:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", dist or ""):
+        raise ServopsError(f"--verify {dist!r}: expected a distribution name like flashinfer-python")
+    return run_program(hs, "verify_dist", {"dist": dist})
+
+
+def format_plain(result: dict) -> list[str]:
+    """Line-numbered text like `cat -n`; grep matches are marked with ':' and context with '-'."""
+    out = []
+    grep = any(b["matches"] for b in result["blocks"])
+    for i, block in enumerate(result["blocks"]):
+        if i and (grep or block.get("label")):
+            out.append("--")
+        for n, text in enumerate(block["lines"], block["start"]):
+            mark = (":" if n in block["matches"] else "-") if grep else " "
+            out.append(f"{n:>6}{mark} {text}")
+    return out
+
+
+def header(host: str, result: dict) -> str:
+    owner = result.get("owner")
+    who = f"{owner['name']} {owner['version']}" if owner else "not owned by any installed distribution"
+    drift = " (MODIFIED since install)" if owner and owner.get("modified") else ""
+    return f"==> {host}: {result['path']} [{who}]{drift} <=="
+
+
+def print_inspect(host: str, result: dict, highlight: bool | None = None) -> None:
+    highlight = is_tty() if highlight is None else highlight
+    empty = not any(b["lines"] for b in result["blocks"])
+    if not highlight:
+        lines = [header(host, result)] + (["(no matching lines)"] if empty else format_plain(result))
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+        return
+    from rich.syntax import Syntax
+
+    console.print(header(host, result), markup=False, style="bold")
+    if empty:
+        console.print("(no matching lines)", markup=False)
+        return
+    for i, block in enumerate(result["blocks"]):
+        if i:
+            console.rule(style="dim")
+        console.print(Syntax("\n".join(block["lines"]), "python", line_numbers=True,
+                             start_line=block["start"], highlight_lines=set(block["matches"]),
+                             word_wrap=False, theme="monokai"))
+
+
+def print_verify(host: str, result: dict) -> None:
+    from rich.table import Table
+
+    name = f"{result['name']} {result['version']}"
+    if not result["modified"] and not result["missing"]:
+        console.print(f"{host}: {name}: {result['checked']} files match RECORD", markup=False)
+        return
+    t = Table(title=f"{host}: {name} drift ({result['checked']} files checked)", title_justify="left")
+    t.add_column("state")
+    t.add_column("file")
+    for path in result["modified"]:
+        t.add_row("modified", path)
+    for path in result["missing"]:
+        t.add_row("missing", path)
+    console.print(t)

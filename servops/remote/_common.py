@@ -1,0 +1,142 @@
+# Shared helpers for servops' remote programs. Standard library only: this runs on the
+# host's python (any 3.8+), before and without importing the packages being inspected.
+import base64
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+
+ARGS = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj))
+    sys.stdout.flush()
+
+
+def fail(message):
+    reply({"error": message})
+    sys.exit(3)
+
+
+def site_dirs():
+    dirs = []
+    for key in ("purelib", "platlib"):
+        d = os.path.realpath(sysconfig.get_paths()[key])
+        if d not in dirs and os.path.isdir(d):
+            dirs.append(d)
+    return dirs
+
+
+def inside(path, root):
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_in_site(rel, allow_outside=False, must_exist=True):
+    """Map a path relative to site-packages to a real path; refuse escapes unless allowed."""
+    if "\0" in rel:
+        fail("file path contains a NUL byte")
+    sites = site_dirs()
+    if os.path.isabs(rel) or rel.startswith("~"):
+        if not allow_outside:
+            fail("absolute path %r: give a path relative to site-packages, or pass --allow-outside" % rel)
+        path = os.path.realpath(os.path.expanduser(rel))
+        if must_exist and not os.path.isfile(path):
+            fail("no such file on the host: %s" % path)
+        site = next((s for s in sites if inside(path, s)), None)
+        return path, site
+    for site in sites:
+        path = os.path.realpath(os.path.join(site, rel))
+        if not inside(path, site) and not allow_outside:
+            fail("%r resolves outside site-packages (%s); pass --allow-outside to read it anyway" % (rel, site))
+        if os.path.isfile(path) or not must_exist:
+            return path, site
+    fail("%s not found in site-packages of %s (%s)" % (rel, sys.executable, ", ".join(sites)))
+
+
+def normalise_dist(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def dist_infos(site):
+    try:
+        entries = os.listdir(site)
+    except OSError:
+        return []
+    return sorted(os.path.join(site, e) for e in entries if e.endswith(".dist-info"))
+
+
+def dist_meta(dist_info):
+    name = version = None
+    try:
+        with open(os.path.join(dist_info, "METADATA"), encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Name:") and name is None:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("Version:") and version is None:
+                    version = line.split(":", 1)[1].strip()
+                elif not line.strip():
+                    break
+    except OSError:
+        pass
+    return {"name": name, "version": version, "dist_info": dist_info}
+
+
+def find_dist(name, sites=None):
+    want = normalise_dist(name)
+    for site in sites or site_dirs():
+        for di in dist_infos(site):
+            meta = dist_meta(di)
+            if meta["name"] and normalise_dist(meta["name"]) == want:
+                meta["site"] = site
+                return meta
+    return None
+
+
+def record_rows(dist_info):
+    import csv
+    try:
+        with open(os.path.join(dist_info, "RECORD"), newline="", encoding="utf-8") as fh:
+            return [row for row in csv.reader(fh) if row]
+    except OSError:
+        return []
+
+
+def owner_of(rel_in_site, site):
+    """The distribution whose RECORD lists this file, checking likely candidates first."""
+    top = rel_in_site.split("/", 1)[0]
+    infos = dist_infos(site)
+
+    def top_levels(di):
+        try:
+            with open(os.path.join(di, "top_level.txt")) as fh:
+                return {l.strip() for l in fh if l.strip()}
+        except OSError:
+            return set()
+
+    ordered = sorted(infos, key=lambda di: top not in top_levels(di))
+    # A plain prefix scan: csv-parsing every RECORD would dominate inspect's remote time.
+    # Paths with commas are csv-quoted in RECORD, so they are looked up both ways.
+    prefixes = (rel_in_site + ",", '"%s",' % rel_in_site.replace('"', '""'))
+    for di in ordered:
+        try:
+            with open(os.path.join(di, "RECORD"), encoding="utf-8") as fh:
+                for line in fh:
+                    if line.startswith(prefixes):
+                        meta = dist_meta(di)
+                        fields = line[len(next(p for p in prefixes if line.startswith(p))):].split(",")
+                        meta["record_hash"] = fields[0].strip()
+                        return meta
+        except OSError:
+            continue
+    return None
+
+
+def file_hash(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()

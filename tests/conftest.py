@@ -1,0 +1,138 @@
+"""Fixtures: real sshd hosts on 127.0.0.x, a real remote venv, and generated inventories."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness import remote_venv
+from harness.sshd import find_sshd, keygen, make_server
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Files the tests edit; restored after every test so the cached venv stays pristine.
+WATCHED = ["flashinfer/jit/cpp_ext.py", "flashinfer/jit/env.py", "flashinfer/__init__.py"]
+
+
+def record_hash(path: Path) -> str:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def record_of(site: Path) -> dict[str, str]:
+    with open(site / "flashinfer_python-0.7.2.post1.dist-info" / "RECORD", newline="") as fh:
+        return {row[0]: row[1] for row in csv.reader(fh) if row and len(row) > 1}
+
+
+@pytest.fixture(scope="session")
+def ssh_client_key(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("client")
+    return keygen(d / "id_ed25519")
+
+
+@pytest.fixture(scope="session")
+def remote_env() -> dict:
+    """The cached real venv; its watched files are checked against RECORD before use."""
+    venv = remote_venv.build_venv()
+    site = remote_venv.site_packages(venv)
+    record = record_of(site)
+    if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
+        remote_venv.install_flashinfer(venv)
+    pristine = {rel: (site / rel).read_bytes() for rel in WATCHED}
+    return {"venv": venv, "site": site, "pristine": pristine, "record": record}
+
+
+@pytest.fixture
+def venv(remote_env):
+    """The remote venv for one test; watched files are put back byte for byte afterwards."""
+    yield remote_env["venv"]
+    site = remote_env["site"]
+    for rel, data in remote_env["pristine"].items():
+        path = site / rel
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+        shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sshd_hosts(tmp_path_factory, ssh_client_key):
+    """Four real sshd servers on 127.0.0.2-5 (started lazily: most tests use only the first)."""
+    if not find_sshd():
+        pytest.fail("sshd is not installed: run the README's install command (openssh-server)")
+    servers = {}
+
+    def get(i: int):
+        if i not in servers:
+            address = f"127.0.0.{i + 2}"
+            servers[i] = make_server(address, tmp_path_factory.mktemp(f"sshd{i}"), ssh_client_key).start()
+        return servers[i]
+
+    yield get
+    for s in servers.values():
+        s.stop()
+
+
+@pytest.fixture
+def lab(tmp_path, sshd_hosts, ssh_client_key, venv):
+    """An inventory built from inventory/lab.yml with this run's ports, keys and paths filled in."""
+    return LabFactory(tmp_path, sshd_hosts, ssh_client_key, venv)
+
+
+class LabFactory:
+    def __init__(self, tmp_path, sshd_hosts, client_key, venv):
+        self.tmp = tmp_path
+        self.sshd_hosts = sshd_hosts
+        self.client_key = client_key
+        self.venv = venv
+        self.known_hosts = tmp_path / "known_hosts"
+
+    def inventory(self, n_hosts: int = 1, known: bool = True, host_vars: dict | None = None,
+                  group_vars: dict | None = None) -> Path:
+        lab = yaml.safe_load((REPO / "inventory" / "lab.yml").read_text())
+        template_hosts = lab["all"]["children"]["lab"]["hosts"]
+        names = list(template_hosts)[:n_hosts]
+        lines = []
+        hosts = {}
+        for i, name in enumerate(names):
+            srv = self.sshd_hosts(i)
+            if known:
+                lines.append(srv.known_hosts_line)
+            hv = dict(template_hosts[name] or {})
+            hv.update(ssh_host=srv.address, ssh_port=srv.port, ssh_user=srv.user,
+                      state_dir=str(self.tmp / f"state-{name}"), deploy_root=str(self.tmp / f"deploy-{name}"))
+            hv.update((host_vars or {}).get(name, {}))
+            hosts[name] = hv
+        self.known_hosts.write_text("".join(lines))
+        gvars = dict(lab["all"]["children"]["lab"].get("vars") or {})
+        gvars.update(ssh_key=str(self.client_key), known_hosts=str(self.known_hosts), venv=str(self.venv))
+        gvars.update(group_vars or {})
+        lab["all"]["children"]["lab"] = {"hosts": hosts, "vars": gvars}
+        path = self.tmp / "inventory.yml"
+        path.write_text(yaml.safe_dump(lab, sort_keys=False))
+        return path
+
+
+def run_invoke(*args: str, inventory: Path | None = None, env: dict | None = None,
+               timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real CLI (`invoke ...` from the repo root) as a user would."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", NO_COLOR="1")
+    if inventory:
+        full_env["SERVOPS_INVENTORY"] = str(inventory)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def invoke_cli():
+    return run_invoke

@@ -1,0 +1,94 @@
+"""A real OpenSSH server on a loopback address, with its own config, host key and authorized_keys."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
+
+
+def find_sshd() -> str | None:
+    for cand in SSHD_CANDIDATES:
+        if os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("sshd")
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def keygen(path: Path, kind: str = "ed25519") -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)], check=True)
+    return path
+
+
+@dataclass
+class SshServer:
+    address: str
+    port: int
+    workdir: Path
+    host_key: Path
+    client_key: Path
+    user: str
+    proc: subprocess.Popen | None = None
+
+    @property
+    def known_hosts_line(self) -> str:
+        kind, b64 = self.host_key.with_suffix(".pub").read_text().split()[:2]
+        return f"[{self.address}]:{self.port} {kind} {b64}\n"
+
+    def start(self) -> "SshServer":
+        sshd = find_sshd()
+        if not sshd:
+            raise RuntimeError("sshd not found: install openssh-server (see README)")
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege-separation dir
+        config = self.workdir / "sshd_config"
+        config.write_text(
+            f"ListenAddress {self.address}\nPort {self.port}\nHostKey {self.host_key}\n"
+            f"AuthorizedKeysFile {self.workdir / 'authorized_keys'}\nPidFile {self.workdir / 'sshd.pid'}\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
+            "PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\nMaxStartups 100:30:200\n"
+            "MaxSessions 100\nAllowTcpForwarding yes\nPrintMotd no\nLogLevel ERROR\n"
+            f"Subsystem sftp internal-sftp\nAllowUsers {self.user}\n"
+        )
+        self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.workdir / "sshd.log", "ab"))
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(self.workdir / 'sshd.log').read_text()}")
+            try:
+                with socket.create_connection((self.address, self.port), timeout=0.5) as s:
+                    if s.recv(4).startswith(b"SSH-"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"sshd on {self.address}:{self.port} did not come up")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+def make_server(address: str, workdir: Path, client_key: Path) -> SshServer:
+    workdir.mkdir(parents=True, exist_ok=True)
+    host_key = keygen(workdir / "ssh_host_ed25519_key")
+    (workdir / "authorized_keys").write_text(client_key.with_suffix(".pub").read_text())
+    os.chmod(workdir / "authorized_keys", 0o600)
+    return SshServer(address, free_port(address), workdir, host_key, client_key, getpass.getuser())

@@ -1,0 +1,54 @@
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from servops import shell
+from servops.inspect import parse_range
+from servops.errors import ServopsError
+from servops.redact import Redactor, secret_values
+
+
+def sh(cmd: str) -> str:
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout
+
+
+def test_remote_path_keeps_home_but_quotes_the_rest(tmp_path):
+    assert sh("echo " + shell.remote_path("~/a b;touch x")).strip().endswith("/a b;touch x")
+    assert shell.remote_path("/opt/x y") == "'/opt/x y'"
+    assert sh("echo " + shell.remote_path("~")).strip() == sh("echo $HOME").strip()
+
+
+def test_python_snippet_passes_args_verbatim():
+    nasty = {"file": "; touch /tmp/pwned $(id) `id` 'q' \"d\"", "n": 1}
+    cmd = shell.python_snippet("python3", nasty)
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["python3", "-"] and json.loads(argv[2]) == nasty
+
+
+def test_with_env_quotes_values_and_rejects_bad_names():
+    cmd = shell.with_env("printenv A", {"A": "x; rm -rf /"})
+    assert sh(cmd).strip() == "x; rm -rf /"
+    with pytest.raises(ValueError):
+        shell.with_env("true", {"A;B": "1"})
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("60:90", (60, 90)), ("60,90", (60, 90)), ("60:", (60, None)), (":90", (None, 90)),
+    ("60", (60, 60)), ("60:+10", (60, 70)),
+])
+def test_parse_range(spec, expected):
+    assert parse_range(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "a:b", "90:60", "0:5", ":+3", "1:2:3"])
+def test_parse_range_rejects(spec):
+    with pytest.raises(ServopsError, match="--lines"):
+        parse_range(spec)
+
+
+def test_redactor_masks_secret_named_values():
+    secrets = secret_values({"HF_TOKEN": "hf_abcdef123", "env": {"API_KEY": "k-999999"}, "tp": 8})
+    r = Redactor(secrets)
+    assert r("token hf_abcdef123 key k-999999 tp 8") == "token *** key *** tp 8"
