@@ -96,6 +96,13 @@ class LabFactory:
         self.venv = venv
         self.known_hosts = tmp_path / "known_hosts"
 
+    def cuda_home(self) -> Path:
+        """A CUDA toolkit layout reduced to its version.json (no GPU toolkit exists here)."""
+        d = self.tmp / "cuda"
+        d.mkdir(exist_ok=True)
+        (d / "version.json").write_text('{"cuda": {"name": "CUDA SDK", "version": "12.9.1"}}')
+        return d
+
     def inventory(self, n_hosts: int = 1, known: bool = True, host_vars: dict | None = None,
                   group_vars: dict | None = None) -> Path:
         lab = yaml.safe_load((REPO / "inventory" / "lab.yml").read_text())
@@ -114,7 +121,8 @@ class LabFactory:
             hosts[name] = hv
         self.known_hosts.write_text("".join(lines))
         gvars = dict(lab["all"]["children"]["lab"].get("vars") or {})
-        gvars.update(ssh_key=str(self.client_key), known_hosts=str(self.known_hosts), venv=str(self.venv))
+        gvars.update(ssh_key=str(self.client_key), known_hosts=str(self.known_hosts), venv=str(self.venv),
+                     env={"CUDA_HOME": str(self.cuda_home())})
         gvars.update(group_vars or {})
         lab["all"]["children"]["lab"] = {"hosts": hosts, "vars": gvars}
         path = self.tmp / "inventory.yml"

@@ -1,0 +1,95 @@
+"""patch.status / apply / revert / create on a host's venv, via the remote patch program.
+
+The host does the work under a lock (patch(1) on a staged copy, then temp-file + rename for
+each file, all or nothing); this side checks versions against `applies_to` and reports.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .output import CHANGED, OK, console, is_tty
+from .patchstore import PATCH_ROOT, Patch, PatchError, write_patch
+from .remote_exec import run_program
+from .transport import HostSession
+
+NOT_APPLIED, APPLIED, CONFLICTS, MISMATCH, NOT_INSTALLED = (
+    "not applied", "applied", "conflicts", "version does not match", "not installed")
+_REMOTE_STATE = {"not-applied": NOT_APPLIED, "applied": APPLIED, "conflicts": CONFLICTS,
+                 "not-installed": NOT_INSTALLED}
+
+
+def _base_args(hs: HostSession, op: str) -> dict:
+    return {"op": op, "state_dir": hs.host.state_dir}
+
+
+def status(hs: HostSession, patches: list[Patch]) -> list[dict]:
+    res = run_program(hs, "patch_op", dict(_base_args(hs, "status"), patches=[p.remote_spec() for p in patches]))
+    rows = []
+    for patch, entry in zip(patches, res["patches"]):
+        state = _REMOTE_STATE[entry["state"]]
+        if entry["version"] and not patch.version_ok(entry["version"]) and state != APPLIED:
+            state = MISMATCH
+        rows.append({"patch": patch.name, "dist": patch.distribution, "version": entry["version"],
+                     "state": state, "recorded": entry["recorded"], "applies_to": str(patch.applies_to)})
+    return rows
+
+
+def _check_version(hs: HostSession, patch: Patch, force: bool) -> str:
+    row = status(hs, [patch])[0]
+    if row["state"] == NOT_INSTALLED:
+        raise PatchError(f"{hs.host.name}: {patch.distribution} is not installed in {hs.host.venv}")
+    if not patch.version_ok(row["version"]) and not force:
+        raise PatchError(f"{hs.host.name}: {patch.distribution} {row['version']} is outside applies_to "
+                         f"'{patch.applies_to}' of patch {patch.name}; pass --force to apply anyway")
+    return row["version"]
+
+
+def apply(hs: HostSession, patch: Patch, dry_run: bool = False, force: bool = False,
+          lock_timeout: int = 30) -> dict:
+    version = _check_version(hs, patch, force)
+    res = run_program(hs, "patch_op", dict(_base_args(hs, "apply"), patch=patch.remote_spec(), dry_run=dry_run,
+                                           expect_version=version, lock_timeout=lock_timeout))
+    return {"status": CHANGED if res["result"] == "changed" else OK, "message": res["message"], "diff": res["diff"]}
+
+
+def revert(hs: HostSession, patch: Patch, dry_run: bool = False, lock_timeout: int = 30) -> dict:
+    res = run_program(hs, "patch_op", dict(_base_args(hs, "revert"), patch=patch.remote_spec(), dry_run=dry_run,
+                                           lock_timeout=lock_timeout))
+    return {"status": CHANGED if res["result"] == "changed" else OK, "message": res["message"], "diff": res["diff"]}
+
+
+def create(hs: HostSession, file: str, name: str, root: Path = PATCH_ROOT, why: str = "") -> tuple[Path, dict]:
+    res = run_program(hs, "patch_op", dict(_base_args(hs, "pristine"), file=file))
+    if not res["diff"]:
+        raise PatchError(f"{hs.host.name}: {res['rel']} is identical to its pristine copy ({res['source']}); nothing to capture")
+    path = write_patch(root, res["dist"], name, res["diff"], [res["rel"]], res["version"], why)
+    return path, res
+
+
+def print_diff(host: str, diff: str) -> None:
+    if not diff:
+        return
+    if is_tty():
+        from rich.syntax import Syntax
+
+        console.print(f"--- {host}", markup=False, style="bold")
+        console.print(Syntax(diff, "diff", theme="ansi_dark"))
+    else:
+        sys.stdout.write(f"--- {host}\n{diff}")
+        if not diff.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def print_status(rows_by_host: dict[str, list[dict]]) -> None:
+    from .output import table
+
+    t = table("patch status", ["host", "patch", "distribution", "installed", "applies_to", "state"])
+    style = {APPLIED: "green", NOT_APPLIED: "yellow", CONFLICTS: "red", MISMATCH: "magenta", NOT_INSTALLED: "dim"}
+    for host, rows in rows_by_host.items():
+        for r in rows:
+            t.add_row(host, r["patch"], r["dist"], r["version"] or "-", r["applies_to"],
+                      f"[{style[r['state']]}]{r['state']}[/]")
+    console.print(t)

@@ -1,0 +1,164 @@
+"""The local patch store: `patches/<distribution>/<name>.patch` + `<name>.yml` metadata.
+
+The patch is a unified diff with paths relative to site-packages (`a/` and `b/` prefixes);
+unidiff parses it, so a malformed file or a metadata `files` list that disagrees with the
+diff is caught before anything touches a host.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+from unidiff import PatchSet
+from unidiff.errors import UnidiffParseError
+
+from .errors import ServopsError
+
+# Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
+PATCH_ROOT = Path(os.environ.get("SERVOPS_PATCHES") or Path(__file__).resolve().parent.parent / "patches")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+PREFLIGHT_CHECKS = ("dynamo_fullgraph",)
+
+
+class PatchError(ServopsError):
+    pass
+
+
+@dataclass
+class Patch:
+    name: str
+    distribution: str
+    text: str
+    applies_to: SpecifierSet
+    why: str
+    files: list[str]
+    strip: int = 1
+    preflight: dict | None = None
+    path: Path = field(default_factory=Path)
+
+    def version_ok(self, version: str | None) -> bool:
+        if not version:
+            return False
+        try:
+            return Version(version) in self.applies_to
+        except InvalidVersion:
+            return False
+
+    def remote_spec(self) -> dict:
+        return {"name": self.name, "dist": self.distribution, "text": self.text, "strip": self.strip,
+                "files": self.files}
+
+
+def _split_requirement(spec: str, path: Path) -> tuple[str | None, SpecifierSet]:
+    """`flashinfer-python>=0.2,<0.8` -> ('flashinfer-python', SpecifierSet('>=0.2,<0.8'))."""
+    m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)?\s*(.*)", spec)
+    name, rest = m.group(1), m.group(2)
+    if name and not rest and re.match(r"\d", name):  # a bare version like "0.7"
+        name, rest = None, "==" + name
+    try:
+        return name, SpecifierSet(rest)
+    except InvalidSpecifier:
+        raise PatchError(f"{path}: 'applies_to' {spec!r} is not a PEP 440 specifier (e.g. flashinfer-python>=0.2,<0.8)") from None
+
+
+def patch_files(text: str, strip: int, where: str) -> list[str]:
+    try:
+        ps = PatchSet(text)
+    except UnidiffParseError as exc:
+        raise PatchError(f"{where}: not a valid unified diff: {exc}") from None
+    if not len(ps):
+        raise PatchError(f"{where}: the patch contains no file changes")
+    files = []
+    for pf in ps:
+        target = pf.target_file if pf.target_file != "/dev/null" else pf.source_file
+        parts = target.split("/")[strip:]
+        rel = "/".join(parts)
+        if not rel or rel.startswith("/") or ".." in parts:
+            raise PatchError(f"{where}: file path {target!r} must be relative to site-packages")
+        files.append(rel)
+    return files
+
+
+def load_patch(path: Path) -> Patch:
+    meta_path = path.with_suffix(".yml")
+    if not meta_path.exists():
+        raise PatchError(f"{path}: metadata {meta_path} is missing")
+    try:
+        meta = yaml.safe_load(meta_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise PatchError(f"{meta_path}: invalid YAML: {exc}") from None
+    if not isinstance(meta, dict):
+        raise PatchError(f"{meta_path}: must be a mapping")
+    for key in ("applies_to", "why", "files"):
+        if not meta.get(key):
+            raise PatchError(f"{meta_path}: '{key}' is required")
+    dist_dir = path.parent.name
+    spec_name, spec = _split_requirement(str(meta["applies_to"]), meta_path)
+    dist = meta.get("distribution") or dist_dir
+    if spec_name and _norm(spec_name) != _norm(dist):
+        raise PatchError(f"{meta_path}: 'applies_to' names {spec_name} but the patch is for {dist}")
+    strip = int(meta.get("strip", 1))
+    text = path.read_text()
+    diff_files = patch_files(text, strip, str(path))
+    if sorted(meta["files"]) != sorted(diff_files):
+        raise PatchError(f"{meta_path}: 'files' {meta['files']} does not match the files in the diff {diff_files}")
+    preflight = meta.get("preflight")
+    if preflight is not None:
+        if not isinstance(preflight, dict) or preflight.get("check") not in PREFLIGHT_CHECKS:
+            raise PatchError(f"{meta_path}: 'preflight.check' must be one of {', '.join(PREFLIGHT_CHECKS)}")
+        for key in ("module", "call"):
+            if not preflight.get(key):
+                raise PatchError(f"{meta_path}: 'preflight.{key}' is required")
+    return Patch(name=path.stem, distribution=dist, text=text, applies_to=spec, why=str(meta["why"]).strip(),
+                 files=list(meta["files"]), strip=strip, preflight=preflight, path=path)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def all_patches(root: Path = PATCH_ROOT) -> list[Patch]:
+    return [load_patch(p) for p in sorted(root.glob("*/*.patch"))]
+
+
+def find_patch(name: str, root: Path = PATCH_ROOT) -> Patch:
+    if not NAME_RE.fullmatch(name or ""):
+        raise PatchError(f"patch name {name!r}: use letters, digits, '.', '_' or '-'")
+    if "/" in name:
+        dist, _, name = name.partition("/")
+        candidates = [root / dist / f"{name}.patch"]
+    else:
+        candidates = sorted(root.glob(f"*/{name}.patch"))
+    candidates = [c for c in candidates if c.exists()]
+    if not candidates:
+        known = ", ".join(p.stem for p in sorted(root.glob("*/*.patch"))) or "none"
+        raise PatchError(f"no patch named {name!r} under {root}/ (known: {known})")
+    if len(candidates) > 1:
+        raise PatchError(f"patch name {name!r} is ambiguous: {', '.join(map(str, candidates))}; use DIST/NAME")
+    return load_patch(candidates[0])
+
+
+def write_patch(root: Path, dist: str, name: str, text: str, files: list[str], version: str, why: str = "") -> Path:
+    if not NAME_RE.fullmatch(name or ""):
+        raise PatchError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
+    patch_files(text, 1, f"generated patch {name}")
+    d = root / dist
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.patch"
+    if path.exists():
+        raise PatchError(f"{path} already exists; choose another --name or delete it")
+    path.write_text(text)
+    meta = {
+        "distribution": dist,
+        "applies_to": f"{dist}=={version}",
+        "why": why or "TODO: the failure this fixes (error message, how to reproduce)",
+        "files": files,
+    }
+    path.with_suffix(".yml").write_text(yaml.safe_dump(meta, sort_keys=False))
+    return path
