@@ -172,5 +172,115 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
     return recap
 
 
+_DEPLOY_HELP = {
+    "variant": "Variant name: playbooks/<variant>.yml (e.g. baseline, piecewise).",
+    "no_rollback": "On a failed health gate, leave the failed release in place (no automatic rollback).",
+    "skip_patches": "Do not apply the variant's patches (to reproduce the crash they fix).",
+    "break_lock": "Take the deploy lock even if another operator holds it.",
+    "keep": "Releases to keep on the host (default: inventory keep_releases, or 5).",
+    "to": "Release name to roll back to (default: the previous healthy release).",
+}
+
+
+@servops_task(help=_DEPLOY_HELP)
+def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
+           keep=0, hosts=None, inventory=None):
+    """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
+    from servops import deploy as dep
+    from servops.playbooks import load_variant
+
+    _, targets = select(inventory, hosts)
+    load_variant(variant)  # an unknown variant fails before any connection
+    recap = Recap()
+    with Session() as session:
+        run_on_hosts(session, targets, lambda hs: dep.deploy(
+            hs, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
+            break_lock=break_lock, keep=int(keep) or None), recap)
+    return recap
+
+
+@servops_task(help=_DEPLOY_HELP)
+def rollback(c, to="", dry_run=False, break_lock=False, hosts=None, inventory=None):
+    """Go back to the previous healthy release (or --to RELEASE): its patches, script, restart."""
+    from servops import deploy as dep
+
+    _, targets = select(inventory, hosts)
+    recap = Recap()
+    with Session() as session:
+        run_on_hosts(session, targets, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock), recap)
+    return recap
+
+
+@servops_task(help={"variant": "Variant to render.", "host": "Inventory host whose vars fill the template."})
+def render(c, variant, host="", inventory=None):
+    """Print the launch script a variant renders to for a host, without touching the host."""
+    from servops.cli import select_one
+    from servops.playbooks import load_variant
+    from servops.redact import Redactor
+    from servops.releases import release_name
+    from servops.render import render_launch
+
+    h = select_one(inventory, host)
+    v = load_variant(variant)
+    root = str(h.get("deploy_root") or "~/.servops/deploy")
+    name = release_name(variant)
+    text = render_launch(h, v, name, f"{root}/releases/{name}")
+    import sys
+
+    sys.stdout.write(Redactor.for_host(h)(text))
+
+
+@servops_task
+def status(c, hosts=None, inventory=None):
+    """Current release, variant, patches, server pid, health and uptime per host."""
+    from servops import ops
+
+    _, targets = select(inventory, hosts)
+    recap = Recap()
+    rows = {}
+    with Session() as session:
+        run_on_hosts(session, targets, lambda hs: ops.status(hs, rows), recap)
+    ops.print_status([rows[h.name] for h in targets if h.name in rows])
+    return recap
+
+
+@servops_task(help={"lines": "How many lines from the end.", "follow": "Keep printing new lines (Ctrl-C stops).",
+                    "release": "A release other than current."})
+def logs(c, lines=100, follow=False, release="", hosts=None, inventory=None):
+    """Show the server log of the current (or given) release."""
+    from servops import ops
+
+    _, targets = select(inventory, hosts)
+    with Session() as session:
+        for host in targets:
+            ops.logs(session.host(host), int(lines), follow, release or None, prefix=len(targets) > 1)
+
+
+@servops_task(help={"grace": "Seconds between SIGTERM and SIGKILL (default: the release's stop_grace)."})
+def stop(c, grace=0.0, dry_run=False, hosts=None, inventory=None):
+    """Stop the server (SIGTERM to its process group, SIGKILL after the grace period)."""
+    from servops import ops
+
+    _, targets = select(inventory, hosts)
+    recap = Recap()
+    with Session() as session:
+        run_on_hosts(session, targets, lambda hs: ops.stop(hs, float(grace) or None, dry_run), recap)
+    return recap
+
+
+@servops_task(name="releases")
+def releases_(c, hosts=None, inventory=None):
+    """List the releases on each host: variant, status, patches, which is current."""
+    from servops import ops
+
+    _, targets = select(inventory, hosts)
+    listings = {}
+    recap = Recap()
+    with Session() as session:
+        run_on_hosts(session, targets, lambda hs: ops.list_releases(hs, listings), recap)
+    ops.print_releases({h.name: listings[h.name] for h in targets if h.name in listings})
+    return recap if recap.failed else None
+
+
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
-ns = Collection(inspect, patch_ns)
+ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, patch_ns)

@@ -72,3 +72,14 @@ def servops_task(*args, help=None, **kwargs):
 def select(inventory: str | None, hosts: str | None):
     inv = load_inventory(inventory)
     return inv, inv.select(hosts)
+
+
+def select_one(inventory: str | None, host: str | None):
+    """One host: the named one, or the inventory's only host."""
+    from .errors import InventoryError
+
+    inv = load_inventory(inventory)
+    chosen = inv.select(host or None)
+    if len(chosen) != 1:
+        raise InventoryError(f"{inv.path}: pick one host with --host (candidates: {', '.join(h.name for h in chosen)})")
+    return chosen[0]

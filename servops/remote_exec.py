@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from . import remote, shell
 from .errors import RemoteError
@@ -11,10 +11,13 @@ from .transport import HostSession
 
 
 def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str | None = None,
-                env: Mapping[str, str] | None = None, timeout: int | None = None) -> dict:
+                env: Mapping[str, str] | None = None, timeout: int | None = None,
+                on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Run a remote program; `on_progress` gets each JSON line it prints before its result."""
     python = python or hs.host.python
-    command = shell.python_snippet(python, args, env)
-    result = hs.run(command, stdin=remote.program(name), timeout=timeout)
+    command = shell.python_stdin(python, env)
+    on_output = _line_splitter(on_progress) if on_progress else None
+    result = hs.run(command, stdin=remote.with_args(name, args), timeout=timeout, on_output=on_output)
     out = result.stdout.strip()
     try:
         data = json.loads(out.splitlines()[-1]) if out else None
@@ -30,3 +33,20 @@ def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str
     if "site" in data:
         hs.cache["site_dirs"] = data["site"]
     return data
+
+
+def _line_splitter(callback: Callable[[dict], None]) -> Callable[[str], None]:
+    buffer = [""]
+
+    def feed(text: str) -> None:
+        buffer[0] += text
+        *lines, buffer[0] = buffer[0].split("\n")
+        for line in lines:
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict) and "progress" in data:
+                callback(data)
+
+    return feed

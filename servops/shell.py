@@ -5,7 +5,6 @@ Nothing here runs anything; the transport layer executes what these return.
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Iterable, Mapping
 
@@ -43,9 +42,6 @@ def with_env(command: str, env: Mapping[str, str] | None) -> str:
     return f"env {assigns} {command}"
 
 
-def python_snippet(python: str, args: Mapping, env: Mapping[str, str] | None = None) -> str:
-    """Run a Python program read from stdin (`python -`) with its JSON arguments as argv[1].
-
-    The program text travels on stdin, so the whole operation is one command round trip.
-    """
-    return with_env(f"{remote_path(python)} - {quote(json.dumps(args, sort_keys=True))}", env)
+def python_stdin(python: str, env: Mapping[str, str] | None = None) -> str:
+    """Run a Python program read from stdin (`python -`): the whole operation is one round trip."""
+    return with_env(f"{remote_path(python)} -", env)

@@ -20,11 +20,16 @@ def test_remote_path_keeps_home_but_quotes_the_rest(tmp_path):
     assert sh("echo " + shell.remote_path("~")).strip() == sh("echo $HOME").strip()
 
 
-def test_python_snippet_passes_args_verbatim():
-    nasty = {"file": "; touch /tmp/pwned $(id) `id` 'q' \"d\"", "n": 1}
-    cmd = shell.python_snippet("python3", nasty)
-    argv = shlex.split(cmd)
-    assert argv[:2] == ["python3", "-"] and json.loads(argv[2]) == nasty
+def test_program_args_travel_verbatim_on_stdin():
+    from servops import remote
+
+    nasty = {"file": "; touch /tmp/pwned $(id) `id` 'q' \"d\" \\ \u2028 \n", "n": 1}
+    cmd = shell.python_stdin("python3", {"A": "1"})
+    assert shlex.split(cmd) == ["env", "A=1", "python3", "-"]
+    src = remote.with_args("inspect_file", nasty).split("\n", 1)[0]
+    scope = {}
+    exec(src, scope)
+    assert json.loads(scope["_SERVOPS_ARGS"]) == nasty
 
 
 def test_with_env_quotes_values_and_rejects_bad_names():

@@ -1,7 +1,8 @@
 """Python programs that run on the host's interpreter, sent over stdin.
 
-Each program is `_common.py` followed by its own file; it reads its arguments as JSON from
-argv[1] and prints one JSON object on stdout. A refusal prints {"error": ...} and exits 3.
+Each program is `_common.py` followed by its own file, preceded by its arguments as a JSON
+string literal; it prints one JSON object as its last stdout line (progress lines before it are
+JSON too). A refusal prints {"error": ...} and exits 3.
 """
 
 from functools import cache
@@ -15,3 +16,10 @@ def program(name: str) -> str:
     common = (_HERE / "_common.py").read_text()
     body = (_HERE / f"{name}.py").read_text()
     return common + "\n\n# ---- " + name + " ----\n" + body
+
+
+def with_args(name: str, args) -> str:
+    import json
+
+    # A JSON string literal is also a valid Python string literal.
+    return "_SERVOPS_ARGS = " + json.dumps(json.dumps(args, sort_keys=True)) + "\n" + program(name)

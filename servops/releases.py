@@ -1,0 +1,60 @@
+"""Releases on a host: `<deploy_root>/releases/<UTC timestamp>-<variant>/`, `current`, the server.
+
+Thin wrappers over the remote deploy_ctl program; each call is one SSH command.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .remote_exec import run_program
+from .transport import HostSession
+
+
+def deploy_root(hs: HostSession) -> str:
+    return str(hs.host.get("deploy_root") or "~/.servops/deploy")
+
+
+def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
+        on_progress: Callable[[dict], None] | None = None, **args: Any) -> dict:
+    return run_program(hs, "deploy_ctl", dict(args, op=op, deploy_root=deploy_root(hs)),
+                       timeout=ssh_timeout, on_progress=on_progress)
+
+
+def release_name(variant: str, when: float | None = None) -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when)) + f"-{variant}"
+
+
+def listing(hs: HostSession) -> dict:
+    return ctl(hs, "releases")
+
+
+def previous_good(releases: list[dict], current: str | None) -> dict | None:
+    """The newest release before `current` that came up healthy (failed ones are skipped)."""
+    names = [r["name"] for r in releases]
+    upto = names.index(current) if current in names else len(names)
+    for rel in reversed(releases[:upto]):
+        if rel.get("status") == "healthy":
+            return rel
+    return None
+
+
+def stop(hs: HostSession, grace: float) -> dict:
+    return ctl(hs, "stop", grace=grace, ssh_timeout=int(grace) + 60)
+
+
+def start(hs: HostSession, name: str, port: int) -> dict:
+    return ctl(hs, "start", name=name, port=port)
+
+
+def switch(hs: HostSession, name: str) -> dict:
+    return ctl(hs, "switch", name=name)
+
+
+def mark(hs: HostSession, name: str, **fields: Any) -> None:
+    ctl(hs, "mark", name=name, fields=fields)
+
+
+def prune(hs: HostSession, keep: int, protect: str | None) -> list[str]:
+    return ctl(hs, "prune", keep=keep, protect=protect)["removed"]

@@ -1,0 +1,198 @@
+"""deploy / rollback end to end over real sshd, with the SGLang double as the server."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_invoke
+
+NAME = "cuda-version-no-subprocess"
+
+
+@pytest.fixture
+def deploy_lab(lab):
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port()}})
+    yield lab, inv
+    # never leave a server running: stop whatever the test started
+    run_invoke("stop", "--grace", "2", inventory=inv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_of(inv: Path) -> int:
+    import yaml
+    return yaml.safe_load(inv.read_text())["all"]["children"]["lab"]["hosts"]["lab1"]["server_port"]
+
+
+def root_of(lab) -> Path:
+    return lab.tmp / "deploy-lab1"
+
+
+def current(lab) -> str:
+    return os.readlink(root_of(lab) / "current").split("/")[-1]
+
+
+def health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_model_info", timeout=2) as r:
+            return json.loads(r.read())
+    except OSError:
+        return None
+
+
+def test_render_prints_the_script_without_a_host(lab):
+    inv = lab.inventory()
+    res = run_invoke("render", "--variant", "piecewise", "--host", "lab1", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    assert "-m sglang_double" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
+    assert "--tp 8" in res.stdout and "--model-path /models/GLM-5-NVFP4" in res.stdout
+    assert "export CUDA_HOME=" in res.stdout
+    bad = run_invoke("render", "--variant", "nope", "--host", "lab1", inventory=inv)
+    assert bad.returncode == 2 and "unknown variant 'nope'" in bad.stderr and "baseline" in bad.stderr
+
+
+def test_piecewise_unpatched_crashes_rolls_back_then_patched_is_healthy(deploy_lab, remote_env):
+    lab, inv = deploy_lab
+    port = port_of(inv)
+    res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "lab1 : changed - deployed" in res.stdout
+    baseline = current(lab)
+    assert baseline.endswith("-baseline") and health(port)["piecewise_cuda_graph"] is False
+
+    res = run_invoke("deploy", "--variant", "piecewise", "--skip-patches", inventory=inv)
+    assert res.returncode != 0
+    assert "crash signature" in res.stderr and "torch._dynamo.exc.Unsupported" in res.stderr
+    assert "Traceback (most recent call last)" in res.stderr  # the real traceback excerpt
+    assert "is_cuda_version_at_least" in res.stderr
+    assert f"rolled back to {baseline}" in res.stdout
+    assert current(lab) == baseline and health(port)["piecewise_cuda_graph"] is False
+    failed = [r for r in (root_of(lab) / "releases").iterdir() if r.name.endswith("-piecewise")]
+    assert json.loads((failed[0] / "release.json").read_text())["status"] == "failed"
+
+    res = run_invoke("deploy", "--variant", "piecewise", inventory=inv)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"patches: apply {NAME}" in res.stdout
+    assert current(lab).endswith("-piecewise") and health(port)["piecewise_cuda_graph"] is True
+
+    res = run_invoke("status", inventory=inv)
+    assert res.returncode == 0 and "healthy" in res.stdout and NAME in res.stdout
+
+    res = run_invoke("rollback", inventory=inv)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert current(lab) == baseline and health(port)["piecewise_cuda_graph"] is False
+    # baseline's patch set is empty: the flashinfer file is pristine again
+    assert (remote_env["site"] / "flashinfer/jit/cpp_ext.py").read_bytes() == remote_env["pristine"]["flashinfer/jit/cpp_ext.py"]
+
+
+def test_rollback_twice_and_releases_listing(deploy_lab):
+    lab, inv = deploy_lab
+    names = []
+    for _ in range(3):
+        res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+        assert res.returncode == 0, res.stdout + res.stderr
+        names.append(current(lab))
+    assert len(set(names)) == 3
+    assert run_invoke("rollback", inventory=inv).returncode == 0 and current(lab) == names[1]
+    assert run_invoke("rollback", inventory=inv).returncode == 0 and current(lab) == names[0]
+    res = run_invoke("rollback", inventory=inv)
+    assert res.returncode == 2 and "no healthy release before" in res.stderr
+    res = run_invoke("rollback", "--to", names[2], inventory=inv)
+    assert res.returncode == 0 and current(lab) == names[2]
+    res = run_invoke("releases", inventory=inv)
+    assert all(n in res.stdout for n in names) and "current" in res.stdout
+
+
+def test_dry_run_changes_nothing_and_shows_the_script_diff(deploy_lab):
+    lab, inv = deploy_lab
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
+    before = sorted(p.name for p in (root_of(lab) / "releases").iterdir())
+    res = run_invoke("deploy", "--variant", "piecewise", "--dry-run", "--diff", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    assert "would deploy" in res.stdout and f"apply {NAME}" in res.stdout
+    assert "+exec" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
+    assert "+def _query_cuda_version() -> Version:" in res.stdout
+    assert sorted(p.name for p in (root_of(lab) / "releases").iterdir()) == before
+
+
+def test_lock_held_refuses_second_deploy_and_break_lock(deploy_lab):
+    lab, inv = deploy_lab
+    root = root_of(lab)
+    root.mkdir(parents=True, exist_ok=True)
+    holder = {"id": "x1", "user": "alice", "controller": "other-laptop", "pid": 1, "action": "deploy baseline",
+              "acquired_at": "2026-12-02T00:00:00Z"}
+    (root / "deploy.lock").write_text(json.dumps(holder))
+    res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 2 and "deploy lock held by alice@other-laptop pid 1" in res.stderr
+    assert not (root / "releases").exists()
+    res = run_invoke("deploy", "--variant", "baseline", "--break-lock", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    assert "breaking deploy lock held by alice@other-laptop" in res.stderr
+    assert not (root / "deploy.lock").exists()
+
+
+def test_never_healthy_times_out_and_rolls_back(deploy_lab, tmp_path):
+    lab, inv = deploy_lab
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
+    good = current(lab)
+    books = tmp_path / "books"
+    books.mkdir()
+    for f in (REPO / "playbooks").glob("*.yml"):
+        (books / f.name).write_text(f.read_text())
+    (books / "stuck.yml").write_text("extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\nhealth: {timeout: 3, interval: 0.5}\n")
+    res = run_invoke("deploy", "--variant", "stuck", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    assert res.returncode != 0
+    assert "timeout: not healthy after 3s" in res.stdout + res.stderr
+    assert f"rolled back to {good}" in res.stdout and current(lab) == good
+
+
+def test_port_in_use_is_a_clear_error(deploy_lab):
+    lab, inv = deploy_lab
+    port = port_of(inv)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        s.listen()
+        res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 2
+    assert f"port {port} is already in use by a process servops did not start" in res.stderr
+    assert not (root_of(lab) / "releases").exists()
+
+
+def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
+    lab, inv = deploy_lab
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
+    good = current(lab)
+    books = tmp_path / "books"
+    books.mkdir()
+    for f in (REPO / "playbooks").glob("*.yml"):
+        (books / f.name).write_text(f.read_text())
+    (books / "slow.yml").write_text("extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: '30'}\n")
+    env = dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books), NO_COLOR="1")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((root_of(lab) / "releases").glob("*-slow")):
+        time.sleep(0.1)
+    time.sleep(2)  # in the health gate now
+    proc.send_signal(signal.SIGKILL)  # the operator's laptop dies: the SSH connection goes with it
+    proc.wait()
+    assert (root_of(lab) / "deploy.lock").exists()
+    assert (root_of(lab) / "current").is_symlink()  # current is always a whole release
+    res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "breaking deploy lock" in res.stderr and "is gone" in res.stderr
+    assert current(lab).endswith("-baseline") and current(lab) != good
+    assert health(port_of(inv))["piecewise_cuda_graph"] is False
