@@ -179,24 +179,113 @@ _DEPLOY_HELP = {
     "break_lock": "Take the deploy lock even if another operator holds it.",
     "keep": "Releases to keep on the host (default: inventory keep_releases, or 5).",
     "to": "Release name to roll back to (default: the previous healthy release).",
+    "gate": "Bench after the health gate; roll back unless e.g. 'output_tps@1024 >= 1.02*baseline' holds.",
+    "push": "Prometheus Pushgateway URL to push the deploy event (and gate bench) to.",
+}
+_BENCH_HELP = {
+    "levels": "Concurrency levels, comma-separated (default 1,10,256,1024).",
+    "requests": "Requests per level (default: max(2*level, 16)).",
+    "input_len": "Prompt length in words for --dataset random.",
+    "output_len": "Tokens to generate per request.",
+    "dataset": "'random', or a local file of prompts (one per line, or JSONL with 'prompt').",
+    "push": "Prometheus Pushgateway URL to push the results to.",
 }
 
 
 @servops_task(help=_DEPLOY_HELP)
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
-           keep=0, hosts=None, inventory=None):
+           keep=0, gate="", push="", hosts=None, inventory=None):
     """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
     from servops import deploy as dep
+    from servops.gate import parse_gate
     from servops.playbooks import load_variant
 
     _, targets = select(inventory, hosts)
     load_variant(variant)  # an unknown variant fails before any connection
+    conditions = parse_gate(gate) if gate else None
     recap = Recap()
     with Session() as session:
         run_on_hosts(session, targets, lambda hs: dep.deploy(
             hs, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-            break_lock=break_lock, keep=int(keep) or None), recap)
+            break_lock=break_lock, keep=int(keep) or None, gate=conditions, push_url=push or None), recap)
     return recap
+
+
+@servops_task(help={"watch": "Refresh every SECONDS until Ctrl-C.", "json": "Print JSON for machines."})
+def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
+    """Scrape SGLang's /metrics on each host: requests, throughput, TTFT/ITL/e2e quantiles, GPUs."""
+    import json as jsonlib
+    import time
+
+    from servops import metrics as m
+
+    _, targets = select(inventory, hosts)
+    with Session() as session:
+        while True:
+            rows, recap = {}, Recap()
+            run_on_hosts(session, targets, lambda hs: (OK, "") if rows.setdefault(hs.host.name, m.scrape(hs)) else (OK, ""), recap)
+            ordered = [rows[h.name] for h in targets if h.name in rows]
+            if json:
+                print(jsonlib.dumps(ordered, indent=1))
+            else:
+                m.print_metrics(ordered)
+            if not watch or recap.failed:
+                return recap if recap.failed else None
+            try:
+                time.sleep(float(watch))
+            except KeyboardInterrupt:
+                return None
+
+
+@servops_task(help=_BENCH_HELP)
+def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, dataset="random", push="",
+          hosts=None, inventory=None):
+    """Benchmark the running server at each concurrency level; save results under results/."""
+    from servops import bench as b
+
+    _, targets = select(inventory, hosts)
+    lv = b.parse_levels(levels)
+    data = b.load_dataset(dataset)
+    recap = Recap()
+
+    def op(hs):
+        result = b.run_bench(hs, lv, int(requests), int(input_len), int(output_len), data)
+        b.print_result(result)
+        if push:
+            from servops.push import push_bench
+
+            push_bench(push, result)
+        if not result["complete"]:
+            done = sum(l["completed"] for l in result["levels"])
+            failed = sum(l["failed"] for l in result["levels"])
+            return FAILED, f"incomplete: {done} requests done, {failed} failed; partial results in {result['path']}"
+        return OK, f"saved {result['path']}"
+
+    with Session() as session:
+        run_on_hosts(session, targets, op, recap, parallel=1)
+    return recap
+
+
+@servops_task(positional=["first", "second"], help={
+    "first": "Reference variant (deltas are relative to it), e.g. baseline.",
+    "second": "Variant to compare with it, e.g. piecewise.",
+    "more": "Further variants, comma-separated.",
+    "host": "Host whose results to compare (default: the only/first selected host).",
+    "out": "PNG path for the plot (default results/<host>/compare-A-vs-B.png).",
+})
+def compare(c, first, second, more="", host="", out="", inventory=None):
+    """Compare variants' latest bench results side by side, with deltas and a PNG plot."""
+    from pathlib import Path
+
+    from servops import compare as cmp
+    from servops.bench import RESULTS_ROOT
+
+    variants = [first, second] + [v.strip() for v in more.split(",") if v.strip()]
+    h = select(inventory, host or None)[1][0]
+    results = cmp.load_pair(h.name, list(variants))
+    cmp.print_compare(h.name, results)
+    png = Path(out) if out else RESULTS_ROOT / h.name / f"compare-{'-vs-'.join(variants)}.png"
+    console.print(f"plot: {cmp.plot(h.name, results, png)}", markup=False)
 
 
 @servops_task(help=_DEPLOY_HELP)
@@ -283,4 +372,4 @@ def releases_(c, hosts=None, inventory=None):
 
 
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
-ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, patch_ns)
+ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, patch_ns)

@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 need=()
-for pair in sshd:openssh-server ssh:openssh-client patch:patch ssh-keygen:openssh-client; do
+# prometheus-pushgateway: the tests push bench results to a real one on loopback.
+for pair in sshd:openssh-server ssh:openssh-client patch:patch ssh-keygen:openssh-client \
+            prometheus-pushgateway:prometheus-pushgateway; do
   cmd=${pair%%:*}; pkg=${pair#*:}
   if ! command -v "$cmd" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$cmd" ]; then need+=("$pkg"); fi
 done

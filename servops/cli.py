@@ -17,6 +17,7 @@ SHORT_FLAGS = {
     "inventory": ["inventory", "I"],
     "dry_run": ["dry-run", "check", "C"],
     "diff": ["diff", "D"],
+    "host": ["host"],  # no -h: that is --help
 }
 
 COMMON_HELP = {

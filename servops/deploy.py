@@ -122,7 +122,8 @@ def _check_port(hs: HostSession) -> None:
 
 def deploy(hs: HostSession, variant_name: str, *, dry_run: bool = False, diff: bool = False,
            no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
-           keep: int | None = None) -> tuple[str, str]:
+           keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
+           push_url: str | None = None) -> tuple[str, str]:
     variant = load_variant(variant_name)
     wanted = [] if skip_patches else list(variant["patches"])
     for name in wanted:
@@ -143,6 +144,12 @@ def deploy(hs: HostSession, variant_name: str, *, dry_run: bool = False, diff: b
         patch_changes = sync_patches(hs, wanted)
         meta = json.loads(_files_for_release(hs, variant, launch, wanted)["release.json"]["text"])
         outcome = _bring_up(hs, name, meta, f"{hs.host.name}: {name}")
+        if outcome["state"] == "healthy" and gate:
+            outcome = _metric_gate(hs, gate, bench_opts or {}, outcome)
+        if push_url:
+            from .push import push_deploy_event
+
+            push_deploy_event(push_url, hs.host.name, variant_name, name, outcome["state"])
         if outcome["state"] == "healthy":
             releases.mark(hs, name, status="healthy", healthy_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           previous=previous)
@@ -155,6 +162,22 @@ def deploy(hs: HostSession, variant_name: str, *, dry_run: bool = False, diff: b
             return FAILED, f"{name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is)"
         back = _rollback_locked(hs, releases.listing(hs), to=None, failed=name)
         return FAILED, f"{name} {outcome['state']}: {outcome['reason']}; {back}"
+
+
+def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
+    """Bench the healthy release at the gate's levels; a failed condition fails the deploy."""
+    from . import bench
+    from .gate import evaluate, gate_levels
+
+    result = bench.run_bench(hs, gate_levels(gate), **bench_opts)
+    bench.print_result(result)
+    passed, lines = evaluate(gate, result, lambda v: bench.latest_for_variant(hs.host.name, v))
+    for line in lines:
+        console.print(f"{hs.host.name}: gate {line}", markup=False)
+    if passed:
+        return outcome
+    failed = "; ".join(l for l in lines if l.startswith("FAIL"))
+    return {"state": "gate-failed", "reason": f"metric gate failed: {failed}", "elapsed": outcome["elapsed"], "excerpt": []}
 
 
 def _report_failure(hs: HostSession, name: str, outcome: dict) -> None:

@@ -196,3 +196,31 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     assert "breaking deploy lock" in res.stderr and "is gone" in res.stderr
     assert current(lab).endswith("-baseline") and current(lab) != good
     assert health(port_of(inv))["piecewise_cuda_graph"] is False
+
+
+def test_logs_stop_and_status(deploy_lab):
+    lab, inv = deploy_lab
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
+    res = run_invoke("logs", "--lines", "3", inventory=inv)
+    assert res.returncode == 0 and "Uvicorn running on" in res.stdout and len(res.stdout.splitlines()) <= 3
+    env = dict(os.environ, SERVOPS_INVENTORY=str(inv))
+    follower = subprocess.Popen([sys.executable, "-m", "invoke", "logs", "-f", "--lines", "0"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, text=True)
+    time.sleep(3)
+    log = root_of(lab) / "current" / "server.log"
+    with open(log, "a") as fh:
+        fh.write("a line written while following\n")
+    time.sleep(2)
+    follower.terminate()
+    out = follower.communicate(timeout=10)[0]
+    assert "a line written while following" in out
+    res = run_invoke("stop", "--dry-run", inventory=inv)
+    assert res.returncode == 0 and "would stop pid" in res.stdout
+    assert health(port_of(inv)) is not None
+    res = run_invoke("stop", inventory=inv)
+    assert res.returncode == 0 and "stopped pid" in res.stdout and "(SIGTERM)" in res.stdout
+    assert health(port_of(inv)) is None
+    res = run_invoke("status", inventory=inv)
+    assert res.returncode == 0 and "down" in res.stdout
+    res = run_invoke("stop", inventory=inv)
+    assert "ok - no server running" in res.stdout

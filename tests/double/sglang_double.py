@@ -4,7 +4,9 @@ Accepts SGLang's flags, serves /health, /get_model_info, /metrics (SGLang's metr
 prometheus-client), /v1/completions (streaming or not) and /generate. Behaviour knobs, from the
 environment: SGLANG_DOUBLE_LOAD_TIME (seconds before healthy), SGLANG_DOUBLE_TOKEN_DELAY (seconds
 per generated token), SGLANG_DOUBLE_TTFT (seconds before the first token),
-SGLANG_DOUBLE_NEVER_HEALTHY=1 (serve /health 503 forever).
+SGLANG_DOUBLE_NEVER_HEALTHY=1 (serve /health 503 forever), SGLANG_DOUBLE_BROKEN_METRICS=1 (serve
+text that is not Prometheus exposition), SGLANG_DOUBLE_EXIT_AFTER_REQUESTS=N (die, as a crashed
+server does, once N requests have started).
 
 With --enable-piecewise-cuda-graph it really runs the dynamo trace SGLang's capture hits:
 torch.compile(fullgraph=True) over flashinfer.jit.cpp_ext.is_cuda_version_at_least on the host's
@@ -86,6 +88,9 @@ class Double:
         self.token_delay = float(os.environ.get("SGLANG_DOUBLE_TOKEN_DELAY", "0.0"))
         self.ttft = float(os.environ.get("SGLANG_DOUBLE_TTFT", "0.0"))
         self.never_healthy = os.environ.get("SGLANG_DOUBLE_NEVER_HEALTHY") == "1"
+        self.broken_metrics = os.environ.get("SGLANG_DOUBLE_BROKEN_METRICS") == "1"
+        self.exit_after = int(os.environ.get("SGLANG_DOUBLE_EXIT_AFTER_REQUESTS", "0"))
+        self.started_requests = 0
         self.ready_at = time.monotonic() + self.load_time
         self.started = time.time()
         reg = self.registry = CollectorRegistry()
@@ -121,6 +126,8 @@ class Double:
                                   "piecewise_cuda_graph": self.args.enable_piecewise_cuda_graph})
 
     async def metrics(self, request):
+        if self.broken_metrics:
+            return web.Response(text='sglang:num_running_reqs{model_name="x" 3\n{{not prometheus', content_type="text/plain")
         now = time.monotonic()
         self._window = [(t, n) for t, n in self._window if now - t < 5]
         self.gen_tps.labels(self.model).set(sum(n for _, n in self._window) / 5.0)
@@ -129,6 +136,10 @@ class Double:
     async def _tokens(self, n: int):
         """Yield token texts at the configured pace, recording SGLang's latency metrics."""
         m = self.model
+        self.started_requests += 1
+        if self.exit_after and self.started_requests > self.exit_after:
+            log(f"simulated crash after {self.exit_after} requests")
+            os._exit(1)
         start = time.monotonic()
         self.running.labels(m).inc()
         self.requests.labels(m).inc()
