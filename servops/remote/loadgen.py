@@ -42,10 +42,14 @@ def pct(values, q):
 
 
 async def one_request(session, url, prompt, output_len, model):
-    rec = {"ok": False, "ttft": None, "itl": [], "e2e": None, "output_tokens": 0, "error": None}
+    # client_s: time spent in this function's own work (building, parsing, bookkeeping), which
+    # is what the load generator adds to every latency it reports.
+    t0 = time.perf_counter()
+    rec = {"ok": False, "ttft": None, "itl": [], "e2e": None, "output_tokens": 0, "error": None, "client_s": 0.0}
     payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
+    rec["client_s"] += start - t0
     last = None
     usage_tokens = None
     try:
@@ -55,6 +59,7 @@ async def one_request(session, url, prompt, output_len, model):
                 return rec
             buf = b""
             async for chunk in resp.content.iter_any():
+                t_chunk = time.perf_counter()
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
@@ -76,6 +81,7 @@ async def one_request(session, url, prompt, output_len, model):
                                 rec["itl"].append(now - last)
                             last = now
                             rec["output_tokens"] += 1
+                rec["client_s"] += time.perf_counter() - t_chunk
         rec["e2e"] = time.perf_counter() - start
         if usage_tokens:
             rec["output_tokens"] = usage_tokens
