@@ -371,5 +371,39 @@ def releases_(c, hosts=None, inventory=None):
     return recap if recap.failed else None
 
 
+@servops_task(help={
+    "release": "Release whose server.log to read (default: current).",
+    "log": "A local log file instead (frames are still resolved on the host).",
+    "explain": "Show the call chain from the capture entry point to the failing call.",
+    "context": "Source lines shown around each frame.",
+})
+def diagnose(c, release="", log="", explain=False, context=3, hosts=None, inventory=None):
+    """Explain crashes: tracebacks in the log, source of every frame, known-issue matches."""
+    from pathlib import Path
+
+    from servops import diagnose as dg
+
+    _, targets = select(inventory, hosts)
+    issues = dg.known_issues()
+    log_text = None
+    if log:
+        if not Path(log).is_file():
+            raise dg.DiagnoseError(f"--log {log!r}: no such local file")
+        log_text = Path(log).read_text(errors="replace")
+    results = {}
+    recap = Recap()
+
+    def op(hs):
+        results[hs.host.name] = dg.diagnose(hs, release or None, log_text, int(context))
+        return OK, f"{len(results[hs.host.name]['tracebacks'])} traceback(s)"
+
+    with Session() as session:
+        run_on_hosts(session, targets, op, recap)
+    for h in targets:
+        if h.name in results:
+            dg.print_report(h.name, results[h.name], issues, explain)
+    return recap
+
+
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
-ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, patch_ns)
+ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, diagnose, patch_ns)

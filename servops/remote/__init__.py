@@ -9,13 +9,14 @@ from functools import cache
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
+# Library files a program needs besides _common.py, placed before its own code.
+_INCLUDES = {"diagnose_ctx": ["tracebacks"]}
 
 
 @cache
 def program(name: str) -> str:
-    common = (_HERE / "_common.py").read_text()
-    body = (_HERE / f"{name}.py").read_text()
-    return common + "\n\n# ---- " + name + " ----\n" + body
+    parts = ["_common"] + _INCLUDES.get(name, []) + [name]
+    return "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text() for p in parts)
 
 
 def with_args(name: str, args) -> str:
