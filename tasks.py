@@ -181,6 +181,8 @@ _DEPLOY_HELP = {
     "to": "Release name to roll back to (default: the previous healthy release).",
     "gate": "Bench after the health gate; roll back unless e.g. 'output_tps@1024 >= 1.02*baseline' holds.",
     "push": "Prometheus Pushgateway URL to push the deploy event (and gate bench) to.",
+    "serial": "Roll out N servers at a time; stop at the first failed batch (Ansible serial).",
+    "max_fail_percentage": "With --serial: carry on while a batch's failed share stays at or below this.",
 }
 _BENCH_HELP = {
     "levels": "Concurrency levels, comma-separated (default 1,10,256,1024).",
@@ -194,20 +196,28 @@ _BENCH_HELP = {
 
 @servops_task(help=_DEPLOY_HELP)
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
-           keep=0, gate="", push="", hosts=None, inventory=None):
+           keep=0, gate="", push="", serial=0, max_fail_percentage=0.0, hosts=None, inventory=None):
     """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
     from servops import deploy as dep
+    from servops.errors import ServopsError
+    from servops.fleet import run_on_groups
     from servops.gate import parse_gate
     from servops.playbooks import load_variant
 
     _, targets = select(inventory, hosts)
-    load_variant(variant)  # an unknown variant fails before any connection
+    v = load_variant(variant)  # an unknown variant fails before any connection
     conditions = parse_gate(gate) if gate else None
+    nnodes = int(v.get("nnodes") or 1)
+    if len(targets) % nnodes:
+        raise ServopsError(f"variant {variant} runs on {nnodes} nodes per server; select a multiple of {nnodes} "
+                           f"hosts (got {len(targets)}), rank 0 first")
+    groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
     recap = Recap()
     with Session() as session:
-        run_on_hosts(session, targets, lambda hs: dep.deploy(
-            hs, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-            break_lock=break_lock, keep=int(keep) or None, gate=conditions, push_url=push or None), recap)
+        run_on_groups(session, groups, lambda nodes: dep.deploy_group(
+            nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
+            break_lock=break_lock, keep=int(keep) or None, gate=conditions, push_url=push or None), recap,
+            serial=int(serial) or None, max_fail_percentage=float(max_fail_percentage))
     return recap
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -88,80 +89,148 @@ def _files_for_release(hs: HostSession, variant: dict, launch: str, patches: lis
     }
 
 
-def _upload_server_files(hs: HostSession, release_dir: str) -> None:
+def _server_files(hs: HostSession) -> dict:
+    """Local files the release carries (e.g. the test double), sent with the release itself."""
+    files = {}
     for local in hs.host.get("server_files") or []:
         path = Path(local) if Path(local).is_absolute() else REPO / local
         if not path.is_file():
             raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
-        hs.put(str(path), f"{release_dir}/{path.name}")
-
-
-def _bring_up(hs: HostSession, name: str, meta: dict, progress_label: str) -> dict:
-    """Stop whatever runs, point `current` at `name`, start it, and health-gate it."""
-    releases.stop(hs, float(meta.get("stop_grace", 30)))
-    releases.switch(hs, name)
-    releases.start(hs, name, int(meta["port"]))
-    signatures = list(dict.fromkeys(list(meta.get("crash_signatures") or []) + DEFAULT_SIGNATURES))
-    return health_gate(hs, name, int(meta["port"]), meta.get("health") or {}, signatures, progress_label)
+        files[path.name] = {"text": path.read_text()}
+    return files
 
 
 DEFAULT_SIGNATURES = [r"torch\._dynamo\.exc\.Unsupported", r"CUDA out of memory"]
+
+
+def _bring_up(nodes: list[tuple[HostSession, str, dict]], label: str) -> dict:
+    """Stop what runs, point `current` at each node's release, start rank 0 first, health-gate rank 0.
+
+    nodes: (session, release name, release meta), rank 0 first. The other ranks of a multi-node
+    server have no HTTP endpoint of their own: they must merely still be running.
+    """
+    def stop_and_switch(hs, name, meta):
+        grace = float(meta.get("stop_grace", 30))
+        return [{"op": "stop", "grace": grace}, {"op": "switch", "name": name}], int(grace) + 60
+
+    if len(nodes) == 1:
+        hs, name, meta = nodes[0]
+        steps, timeout = stop_and_switch(hs, name, meta)
+        releases.batch(hs, *steps, {"op": "start", "name": name, "port": int(meta["port"])}, ssh_timeout=timeout)
+    else:
+        for hs, name, meta in nodes:
+            steps, timeout = stop_and_switch(hs, name, meta)
+            releases.batch(hs, *steps, ssh_timeout=timeout)
+        for hs, name, meta in nodes:  # rank 0 first
+            releases.start(hs, name, int(meta["port"]))
+    hs0, name0, meta0 = nodes[0]
+    signatures = list(dict.fromkeys(list(meta0.get("crash_signatures") or []) + DEFAULT_SIGNATURES))
+    outcome = health_gate(hs0, name0, int(meta0["port"]), meta0.get("health") or {}, signatures, label)
+    if outcome["state"] == "healthy":
+        for hs, name, _meta in nodes[1:]:
+            if not releases.ctl(hs, "status")["server"]:
+                return {"state": "crashed", "reason": f"rank on {hs.host.name} exited", "elapsed": outcome["elapsed"],
+                        "excerpt": releases.ctl(hs, "logs", name=name, lines=30)["lines"]}
+    return outcome
 
 
 def render_for_host(hs: HostSession, variant: dict, name: str, root: str) -> str:
     return render_launch(hs.host, variant, name, f"{root}/releases/{name}")
 
 
-def _check_port(hs: HostSession) -> None:
+def _check_port(hs: HostSession, res: dict) -> None:
     port = server_port(hs)
-    res = releases.ctl(hs, "port_check", port=port)
     if res["busy"] and not res["ours"]:
         raise DeployError(f"{hs.host.name}: port {port} is already in use by a process servops did not start; "
                           f"free it or change server_port")
 
 
-def deploy(hs: HostSession, variant_name: str, *, dry_run: bool = False, diff: bool = False,
-           no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
-           keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
-           push_url: str | None = None) -> tuple[str, str]:
+def node_args(variant: dict, nodes: list[HostSession]) -> list[dict]:
+    """Per-node server_args for a multi-node variant: --nnodes, --node-rank, --dist-init-addr."""
+    nnodes = int(variant.get("nnodes") or 1)
+    if nnodes == 1:
+        return [{}]
+    if len(nodes) != nnodes:
+        raise DeployError(f"variant {variant['name']} needs {nnodes} nodes per server; got {len(nodes)}")
+    rank0 = nodes[0].host
+    addr = f"{rank0.get('dist_init_host') or rank0.ssh_host}:{int(rank0.get('dist_init_port', 5000))}"
+    return [{"nnodes": nnodes, "node-rank": rank, "dist-init-addr": addr} for rank in range(nnodes)]
+
+
+def _with_args(variant: dict, extra: dict) -> dict:
+    if not extra:
+        return variant
+    out = dict(variant)
+    out["server_args"] = dict(variant["server_args"], **extra)
+    return out
+
+
+def deploy(hs: HostSession, variant_name: str, **kwargs) -> tuple[str, str]:
+    return deploy_group([hs], variant_name, **kwargs)
+
+
+def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool = False, diff: bool = False,
+                 no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
+                 keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
+                 push_url: str | None = None) -> tuple[str, str]:
+    """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first)."""
     variant = load_variant(variant_name)
     wanted = [] if skip_patches else list(variant["patches"])
     for name in wanted:
         patchstore.find_patch(name)  # fail before touching the host
+    per_node = node_args(variant, nodes)
     if dry_run:
-        return _plan(hs, variant, wanted, diff)
-    with deploy_lock(hs, f"deploy {variant_name}", break_lock) as lock:
-        root = lock["root"]
-        _check_port(hs)
-        state = releases.listing(hs)
-        previous = state["current"]
-        base = releases.release_name(variant_name)
-        launch = render_for_host(hs, variant, "@@RELEASE_NAME@@", root).replace(
-            f"{root}/releases/@@RELEASE_NAME@@", "@@RELEASE_DIR@@")
-        prepared = releases.ctl(hs, "prepare", name=base, files=_files_for_release(hs, variant, launch, wanted))
-        name, release_dir = prepared["name"], prepared["dir"]
-        _upload_server_files(hs, release_dir)
-        patch_changes = sync_patches(hs, wanted)
-        meta = json.loads(_files_for_release(hs, variant, launch, wanted)["release.json"]["text"])
-        outcome = _bring_up(hs, name, meta, f"{hs.host.name}: {name}")
+        results = [_plan(hs, _with_args(variant, extra), wanted, diff) for hs, extra in zip(nodes, per_node)]
+        return CHANGED, "; ".join(r[1] for r in results)
+    with ExitStack() as stack:
+        locks = [stack.enter_context(deploy_lock(hs, f"deploy {variant_name}", break_lock, port=server_port(hs)))
+                 for hs in nodes]
+        for hs, lock in zip(nodes, locks):
+            _check_port(hs, lock["port"])
+        prepared, previous = [], {}
+        for hs, lock, extra in zip(nodes, locks, per_node):
+            previous[hs.host.name] = lock["listing"]["current"]
+            prepared.append(_prepare(hs, _with_args(variant, extra), wanted, lock["root"]))
+        patch_changes = sorted({c for hs in nodes for c in sync_patches(hs, wanted)})
+        hs0, name0, _ = prepared[0]
+        outcome = _bring_up(prepared, f"{hs0.host.name}: {name0}")
         if outcome["state"] == "healthy" and gate:
-            outcome = _metric_gate(hs, gate, bench_opts or {}, outcome)
+            outcome = _metric_gate(hs0, gate, bench_opts or {}, outcome)
         if push_url:
             from .push import push_deploy_event
 
-            push_deploy_event(push_url, hs.host.name, variant_name, name, outcome["state"])
+            push_deploy_event(push_url, hs0.host.name, variant_name, name0, outcome["state"])
         if outcome["state"] == "healthy":
-            releases.mark(hs, name, status="healthy", healthy_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          previous=previous)
-            releases.prune(hs, int(keep or hs.host.get("keep_releases", 5)), protect=previous)
-            extra = f"; patches: {', '.join(patch_changes)}" if patch_changes else ""
-            return CHANGED, f"deployed {name} (healthy in {outcome['elapsed']:.1f}s){extra}"
-        releases.mark(hs, name, status="failed", failure=outcome["reason"])
-        _report_failure(hs, name, outcome)
+            for hs, name, _meta in prepared:
+                releases.batch(hs, {"op": "mark", "name": name,
+                                    "fields": {"status": "healthy", "healthy_at": _now(), "previous": previous[hs.host.name]}},
+                               {"op": "prune", "keep": int(keep or hs.host.get("keep_releases", 5)),
+                                "protect": previous[hs.host.name]})
+            extra_msg = f"; patches: {', '.join(patch_changes)}" if patch_changes else ""
+            ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
+            return CHANGED, f"deployed {name0}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra_msg}"
+        for hs, name, _meta in prepared:
+            releases.mark(hs, name, status="failed", failure=outcome["reason"])
+        _report_failure(hs0, name0, outcome)
         if no_rollback:
-            return FAILED, f"{name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is)"
-        back = _rollback_locked(hs, releases.listing(hs), to=None, failed=name)
-        return FAILED, f"{name} {outcome['state']}: {outcome['reason']}; {back}"
+            return FAILED, f"{name0} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is)"
+        back = _rollback_locked(nodes, to=None, failed=[name for _hs, name, _m in prepared])
+        return FAILED, f"{name0} {outcome['state']}: {outcome['reason']}; {back}"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _prepare(hs: HostSession, variant: dict, wanted: list[str], root: str) -> tuple[HostSession, str, dict]:
+    """A new release dir with its launch script, variant, record and the server files."""
+    base = releases.release_name(variant["name"])
+    launch = render_for_host(hs, variant, "@@RELEASE_NAME@@", root).replace(
+        f"{root}/releases/@@RELEASE_NAME@@", "@@RELEASE_DIR@@")
+    files = _files_for_release(hs, variant, launch, wanted)
+    files.update(_server_files(hs))
+    prepared = releases.ctl(hs, "prepare", name=base, files=files)
+    return hs, prepared["name"], json.loads(files["release.json"]["text"])
 
 
 def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
@@ -189,28 +258,36 @@ def _report_failure(hs: HostSession, name: str, outcome: dict) -> None:
         err_console.print("---", markup=False)
 
 
-def _rollback_locked(hs: HostSession, state: dict, to: str | None, failed: str | None = None) -> str:
-    rels = {r["name"]: r for r in state["releases"]}
-    if to:
-        if to not in rels:
-            raise DeployError(f"{hs.host.name}: no release {to!r} (see invoke releases)")
-        target = rels[to]
-    else:
-        anchor = failed or state["current"]
-        target = releases.previous_good(state["releases"], anchor)
-        if target is None:
-            if failed:
-                releases.stop(hs, 10.0)
-                return "no earlier healthy release to roll back to: server stopped"
-            raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
-    sync_patches(hs, list(target.get("patches") or []))
-    outcome = _bring_up(hs, target["name"], target, f"{hs.host.name}: rollback to {target['name']}")
+def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None) -> str:
+    """Bring every node back to an earlier release (`to`, or each node's previous healthy one)."""
+    targets = []
+    for i, hs in enumerate(nodes):
+        state = releases.listing(hs)
+        rels = {r["name"]: r for r in state["releases"]}
+        if to:
+            if to not in rels:
+                raise DeployError(f"{hs.host.name}: no release {to!r} (see invoke releases)")
+            target = rels[to]
+        else:
+            anchor = failed[i] if failed else state["current"]
+            target = releases.previous_good(state["releases"], anchor)
+            if target is None:
+                if failed:
+                    for other in nodes:
+                        releases.stop(other, 10.0)
+                    return "no earlier healthy release to roll back to: server stopped"
+                raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
+        targets.append((hs, target))
+    for hs, target in targets:
+        sync_patches(hs, list(target.get("patches") or []))
+    hs0, t0 = targets[0]
+    outcome = _bring_up([(hs, t["name"], t) for hs, t in targets], f"{hs0.host.name}: rollback to {t0['name']}")
     if outcome["state"] != "healthy":
-        _report_failure(hs, target["name"], outcome)
-        raise DeployError(f"{hs.host.name}: rollback to {target['name']} failed too: {outcome['reason']}")
-    releases.mark(hs, target["name"], status="healthy",
-                  rolled_back_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    return f"rolled back to {target['name']} (healthy in {outcome['elapsed']:.1f}s)"
+        _report_failure(hs0, t0["name"], outcome)
+        raise DeployError(f"{hs0.host.name}: rollback to {t0['name']} failed too: {outcome['reason']}")
+    for hs, target in targets:
+        releases.mark(hs, target["name"], status="healthy", rolled_back_at=_now())
+    return f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)"
 
 
 def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, break_lock: bool = False) -> tuple[str, str]:
@@ -225,7 +302,7 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
         return CHANGED, (f"would roll back {state['current']} -> {target['name']}"
                          + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)")
     with deploy_lock(hs, "rollback", break_lock):
-        return CHANGED, _rollback_locked(hs, releases.listing(hs), to)
+        return CHANGED, _rollback_locked([hs], to)
 
 
 def _plan(hs: HostSession, variant: dict, wanted: list[str], show_diff: bool) -> tuple[str, str]:

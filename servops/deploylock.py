@@ -48,10 +48,11 @@ def is_stale(held: dict, age: float, stale_after: float) -> str | None:
 
 
 @contextmanager
-def deploy_lock(hs: HostSession, action: str, break_lock: bool = False):
+def deploy_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None):
+    """Hold the host's deploy lock; yields the lock reply with the release listing (and `port` check)."""
     owner = {"id": uuid.uuid4().hex, "user": getpass.getuser(), "controller": socket.gethostname(),
              "pid": os.getpid(), "action": action}
-    res = ctl(hs, "lock", owner=owner)
+    res = ctl(hs, "lock", owner=owner, port=port)
     if not res["acquired"]:
         held = res["held"]
         who = (f"{held.get('user')}@{held.get('controller')} pid {held.get('pid')} "
@@ -60,7 +61,7 @@ def deploy_lock(hs: HostSession, action: str, break_lock: bool = False):
         if reason or break_lock:
             why = f"stale: {reason}" if reason else "--break-lock"
             err_console.print(f"{hs.host.name}: breaking deploy lock held by {who} ({why})", markup=False)
-            res = ctl(hs, "lock", owner=owner, replace_id=held.get("id"))
+            res = ctl(hs, "lock", owner=owner, replace_id=held.get("id"), port=port)
         if not res["acquired"]:
             raise LockHeld(f"{hs.host.name}: deploy lock held by {who}; wait for it, or pass --break-lock "
                            f"if that deploy is dead")

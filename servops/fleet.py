@@ -1,4 +1,9 @@
-"""Run one operation on many hosts: in parallel, or rolling N at a time, with a recap."""
+"""Run one operation on many hosts: in parallel, or rolling N at a time, with a recap.
+
+The unit of work is a group of hosts: one host normally, or the nodes of one multi-node
+server (which deploy together). Like Ansible's `serial` + `max_fail_percentage`: a batch whose
+failed share exceeds the percentage stops the rollout, and hosts not reached are skipped.
+"""
 
 from __future__ import annotations
 
@@ -12,29 +17,24 @@ from .transport import HostSession, Session
 
 # An operation returns (status, message) for its host, or raises ServopsError.
 Operation = Callable[[HostSession], tuple[str, str]]
+GroupOperation = Callable[[list[HostSession]], tuple[str, str]]
 
 
-def run_on_hosts(session: Session, hosts: list[Host], op: Operation, recap: Recap,
-                 serial: int | None = None, max_fail_percentage: float = 0.0,
-                 parallel: int = 32) -> Recap:
-    """Apply `op` to each host; with `serial`, roll batches and stop once a batch fails too much.
+def run_on_groups(session: Session, groups: list[list[Host]], op: GroupOperation, recap: Recap,
+                  serial: int | None = None, max_fail_percentage: float = 0.0, parallel: int = 32) -> Recap:
+    batches = [groups] if not serial else [groups[i:i + serial] for i in range(0, len(groups), serial)]
+    recap.expect([h.name for g in groups for h in g])
 
-    Like Ansible: a batch whose failed share exceeds max_fail_percentage stops the rollout and the
-    hosts not reached are recorded as skipped.
-    """
-    batches = [hosts] if not serial else [hosts[i:i + serial] for i in range(0, len(hosts), serial)]
-
-    def one(host: Host) -> None:
-        hs = session.host(host)
+    def one(group: list[Host]) -> None:
+        sessions = [session.host(h) for h in group]
         try:
-            status, message = op(hs)
+            status, message = op(sessions)
         except ServopsError as exc:
-            recap.mark(host.name, FAILED, str(exc))
-            return
+            status, message = FAILED, str(exc)
         except Exception as exc:  # an unexpected bug must not hide other hosts' results
-            recap.mark(host.name, FAILED, hs.redactor(f"{type(exc).__name__}: {exc}"))
-            return
-        recap.mark(host.name, status if status in (OK, CHANGED, SKIPPED, FAILED) else OK, message)
+            status, message = FAILED, sessions[0].redactor(f"{type(exc).__name__}: {exc}")
+        for h in group:
+            recap.mark(h.name, status if status in (OK, CHANGED, SKIPPED, FAILED) else OK, message)
 
     for bi, batch in enumerate(batches):
         if len(batch) == 1:
@@ -42,10 +42,18 @@ def run_on_hosts(session: Session, hosts: list[Host], op: Operation, recap: Reca
         else:
             with ThreadPoolExecutor(max_workers=min(parallel, len(batch))) as pool:
                 list(pool.map(one, batch))
-        failed = sum(1 for h in batch if recap.hosts.get(h.name) and recap.hosts[h.name].status == FAILED)
+        failed = sum(1 for g in batch if any(recap.hosts[h.name].status == FAILED for h in g))
         if serial and failed and failed * 100.0 / len(batch) > max_fail_percentage:
             for later in batches[bi + 1:]:
-                for h in later:
-                    recap.mark(h.name, SKIPPED, "not started: an earlier batch failed")
+                for g in later:
+                    for h in g:
+                        recap.mark(h.name, SKIPPED, "not started: an earlier batch failed")
             break
     return recap
+
+
+def run_on_hosts(session: Session, hosts: list[Host], op: Operation, recap: Recap,
+                 serial: int | None = None, max_fail_percentage: float = 0.0, parallel: int = 32) -> Recap:
+    """Apply `op` to each host (each its own group)."""
+    return run_on_groups(session, [[h] for h in hosts], lambda hss: op(hss[0]), recap,
+                         serial, max_fail_percentage, parallel)

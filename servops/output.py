@@ -49,10 +49,15 @@ class Recap:
     def __init__(self):
         self._lock = threading.Lock()
         self.hosts: dict[str, HostOutcome] = {}
+        self.order: list[str] = []
+
+    def expect(self, names: list[str]) -> None:
+        """Print the recap in this (inventory) order, whatever order hosts finish in."""
+        self.order.extend(n for n in names if n not in self.order)
 
     def mark(self, host: str, status: str, message: str = "") -> None:
         with self._lock:
-            out = self.hosts.setdefault(host, HostOutcome(host, SKIPPED if status == SKIPPED else OK))
+            out = self.hosts.setdefault(host, HostOutcome(host, status if status == SKIPPED else OK))
             if self._order[status] > self._order[out.status]:
                 out.status = status
             if message:
@@ -67,7 +72,9 @@ class Recap:
         if not self.hosts:
             return
         con.print()
-        for name, out in self.hosts.items():
+        names = [n for n in self.order if n in self.hosts] + [n for n in self.hosts if n not in self.order]
+        for name in names:
+            out = self.hosts[name]
             last = out.messages[-1] if out.messages else ""
             con.print(f"[{_STYLE[out.status]}]{name}[/] : {out.status}" + (f" - {last}" if last else ""))
 

@@ -22,6 +22,11 @@ def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
                        timeout=ssh_timeout, on_progress=on_progress)
 
 
+def batch(hs: HostSession, *steps: dict, ssh_timeout: int | None = None) -> list[dict]:
+    """Several deploy_ctl ops in one SSH command; a failing step stops the rest."""
+    return ctl(hs, "batch", ssh_timeout=ssh_timeout, steps=list(steps))["results"]
+
+
 def release_name(variant: str, when: float | None = None) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when)) + f"-{variant}"
 

@@ -92,13 +92,15 @@ def op_lock():
             if replace and held.get("id") == replace:
                 os.unlink(LOCKFILE)
                 continue
-            reply({"site": [], "acquired": False, "held": held, "root": ROOT,
-                   "age": time.time() - os.path.getmtime(LOCKFILE) if os.path.exists(LOCKFILE) else 0})
-            return
+            return {"acquired": False, "held": held, "root": ROOT,
+                    "age": time.time() - os.path.getmtime(LOCKFILE) if os.path.exists(LOCKFILE) else 0}
         with os.fdopen(fd, "w") as fh:
             json.dump(owner, fh)
-        reply({"site": [], "acquired": True, "root": ROOT, "home": os.path.expanduser("~")})
-        return
+        # What a deploy reads first comes back with the lock: one round trip fewer.
+        out = {"acquired": True, "root": ROOT, "home": os.path.expanduser("~"), "listing": op_releases()}
+        if ARGS.get("port"):
+            out["port"] = op_port_check()
+        return out
     fail("could not take the deploy lock %s" % LOCKFILE)
 
 
@@ -106,13 +108,13 @@ def op_unlock():
     held = read_json(LOCKFILE, {}) or {}
     if held.get("id") == ARGS["id"]:
         os.unlink(LOCKFILE)
-    reply({"site": [], "released": True})
+    return {"released": True}
 
 
 def op_releases():
     cur = current_name()
     proc = server_proc()
-    reply({"site": [], "root": ROOT, "current": cur, "releases": list_releases(), "server": proc})
+    return {"root": ROOT, "current": cur, "releases": list_releases(), "server": proc}
 
 
 def op_prepare():
@@ -130,7 +132,7 @@ def op_prepare():
     for rel, spec in ARGS["files"].items():
         text = spec["text"].replace("@@RELEASE_NAME@@", name).replace("@@RELEASE_DIR@@", d)
         write_atomic(os.path.join(d, rel), text, spec.get("mode", 0o644))
-    reply({"site": [], "name": name, "dir": d})
+    return {"name": name, "dir": d}
 
 
 def op_mark():
@@ -138,7 +140,7 @@ def op_mark():
     meta = read_json(path, {}) or {}
     meta.update(ARGS["fields"])
     write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
-    reply({"site": [], "ok": True})
+    return {"ok": True}
 
 
 def op_switch():
@@ -150,7 +152,7 @@ def op_switch():
         os.unlink(tmp)
     os.symlink(target, tmp)
     os.replace(tmp, CURRENT)  # rename(2): readers see the old or the new release, never neither
-    reply({"site": [], "current": ARGS["name"]})
+    return {"current": ARGS["name"]}
 
 
 def port_in_use(port):
@@ -170,7 +172,7 @@ def port_in_use(port):
 def op_port_check():
     proc = server_proc()
     busy = port_in_use(int(ARGS["port"]))
-    reply({"site": [], "busy": busy, "ours": bool(proc), "server": proc})
+    return {"busy": busy, "ours": bool(proc), "server": proc}
 
 
 def op_stop():
@@ -178,7 +180,7 @@ def op_stop():
     if not proc:
         if os.path.exists(PIDFILE):
             os.unlink(PIDFILE)
-        reply({"site": [], "stopped": False, "reason": "no server running"})
+        return {"stopped": False, "reason": "no server running"}
         return
     pgid = proc["pgid"]
     grace = float(ARGS.get("grace", 30))
@@ -206,7 +208,7 @@ def op_stop():
             break
         time.sleep(0.1)
     os.unlink(PIDFILE)
-    reply({"site": [], "stopped": True, "pid": proc["pid"], "killed": killed, "release": proc.get("release")})
+    return {"stopped": True, "pid": proc["pid"], "killed": killed, "release": proc.get("release")}
 
 
 def op_start():
@@ -221,7 +223,7 @@ def op_start():
     info = {"pid": proc.pid, "pgid": proc.pid, "starttime": proc_starttime(proc.pid), "release": ARGS["name"],
             "port": ARGS.get("port"), "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
     write_atomic(PIDFILE, json.dumps(info))
-    reply({"site": [], "server": info})
+    return {"server": info}
 
 
 def http_ok(port, path, timeout=2.0):
@@ -253,7 +255,7 @@ def op_health():
     last_progress = 0
 
     def result(state, reason, ex=None):
-        reply({"site": [], "state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
+        return ({"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
                "excerpt": ex or []})
 
     while True:
@@ -280,23 +282,19 @@ def op_health():
                                 lines.extend((partial + fh.read().decode("utf-8", "replace")).split("\n"))
                         except OSError:
                             pass
-                        result("crashed", "crash signature %r in server.log" % rx.pattern, excerpt(lines, base + i))
-                        return
+                        return result("crashed", "crash signature %r in server.log" % rx.pattern, excerpt(lines, base + i))
         alive = server_proc() is not None
         if not alive:
             if partial:
                 lines.append(partial)
             tb = any(l.startswith("Traceback (most recent call last)") for l in lines)
-            result("crashed", "server exited" + (" after a Traceback" if tb else " during startup"), excerpt(lines))
-            return
+            return result("crashed", "server exited" + (" after a Traceback" if tb else " during startup"), excerpt(lines))
         if http_ok(port, ARGS.get("endpoint", "/health")) and (
                 not ARGS.get("model_info") or http_ok(port, ARGS["model_info"])):
-            result("healthy", "%s answered 200" % ARGS.get("endpoint", "/health"))
-            return
+            return result("healthy", "%s answered 200" % ARGS.get("endpoint", "/health"))
         elapsed = time.time() - started
         if elapsed > timeout:
-            result("timeout", "not healthy after %ds" % timeout, lines[-25:])
-            return
+            return result("timeout", "not healthy after %ds" % timeout, lines[-25:])
         if time.time() - last_progress >= interval:
             last_progress = time.time()
             tail = (lines[-1] if lines else partial)[-160:]
@@ -311,7 +309,7 @@ def op_status():
     healthy = None
     if proc and proc.get("port"):
         healthy = http_ok(int(proc["port"]), ARGS.get("endpoint", "/health"))
-    reply({"site": [], "root": ROOT, "current": cur, "release": release_info(cur) if cur else None,
+    return ({"root": ROOT, "current": cur, "release": release_info(cur) if cur else None,
            "server": proc, "healthy": healthy, "now": time.time()})
 
 
@@ -324,7 +322,7 @@ def op_logs():
         fail("release %s has no server.log" % name)
     with open(path, "rb") as fh:
         data = fh.read().decode("utf-8", "replace").splitlines()
-    reply({"site": [], "name": name, "path": path, "lines": data[-int(ARGS.get("lines", 100)):]})
+    return {"name": name, "path": path, "lines": data[-int(ARGS.get("lines", 100)):]}
 
 
 def op_prune():
@@ -337,9 +335,27 @@ def op_prune():
             continue
         shutil.rmtree(os.path.join(RELEASES, name), ignore_errors=True)
         removed.append(name)
-    reply({"site": [], "removed": removed})
+    return {"removed": removed}
 
 
-{"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "mark": op_mark,
- "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start, "health": op_health,
- "status": op_status, "logs": op_logs, "prune": op_prune}[ARGS["op"]]()
+OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "mark": op_mark,
+       "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start, "health": op_health,
+       "status": op_status, "logs": op_logs, "prune": op_prune}
+
+
+def op_batch():
+    """Several ops in one SSH command, in order; a failing step stops the rest."""
+    results = []
+    common = {k: v for k, v in ARGS.items() if k not in ("op", "steps")}
+    for step in ARGS["steps"]:
+        ARGS.clear()
+        ARGS.update(common)
+        ARGS.update(step)
+        results.append(OPS[step["op"]]())
+    return {"results": results}
+
+
+OPS["batch"] = op_batch
+out = OPS[ARGS["op"]]()
+out["site"] = []
+reply(out)
