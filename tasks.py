@@ -3,7 +3,7 @@
 Run `invoke --list` for the verbs and `invoke --help VERB` for each one's flags.
 """
 
-from invoke import Collection
+from invoke import Collection, task
 
 from servops.cli import select, servops_task
 from servops.fleet import run_on_hosts
@@ -26,7 +26,7 @@ def inspect(c, file="", lines="", symbol="", grep="", context=0, verify="", allo
     """Show library source from a host's venv (one SSH round trip), or verify a distribution."""
     from servops import inspect as ins
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     highlight = {"yes": True, "no": False}.get(color)
     req = None if verify else ins.InspectRequest(file, lines or None, symbol or None, grep or None,
                                                  int(context), allow_outside)
@@ -44,7 +44,7 @@ def inspect(c, file="", lines="", symbol="", grep="", context=0, verify="", allo
         results[hs.host.name] = ins.inspect_file(hs, req)
         return OK, ""
 
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap)
     for host in targets:
         if host.name not in results:
@@ -63,7 +63,7 @@ def patch_status(c, name="", hosts=None, inventory=None):
     """Per host: each known patch applied / not applied / conflicts / version does not match."""
     from servops import patching, patchstore
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     patches = [patchstore.find_patch(name)] if name else patchstore.all_patches()
     if not patches:
         raise patchstore.PatchError("no patches under patches/ (expected patches/<distribution>/<name>.patch)")
@@ -75,7 +75,7 @@ def patch_status(c, name="", hosts=None, inventory=None):
         return (FAILED, f"conflicts: {', '.join(bad)}") if bad else (OK, "")
 
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap)
     patching.print_status({h.name: rows[h.name] for h in targets if h.name in rows})
     return recap
@@ -93,9 +93,9 @@ def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30
     """Apply a versioned patch to site-packages: atomic, idempotent, recorded on the host."""
     from servops import patching, patchstore
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
-    return _patch_change(targets, lambda hs: patching.apply(hs, patch, dry_run, force, int(lock_timeout)), diff)
+    return _patch_change(inv, targets, lambda hs: patching.apply(hs, patch, dry_run, force, int(lock_timeout)), diff)
 
 
 @servops_task(name="revert", positional=["name"], help=_PATCH_HELP)
@@ -103,12 +103,12 @@ def patch_revert(c, name, dry_run=False, diff=False, lock_timeout=30, hosts=None
     """Revert a patch: exact restore from the host's backup, else a reverse patch(1)."""
     from servops import patching, patchstore
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
-    return _patch_change(targets, lambda hs: patching.revert(hs, patch, dry_run, int(lock_timeout)), diff)
+    return _patch_change(inv, targets, lambda hs: patching.revert(hs, patch, dry_run, int(lock_timeout)), diff)
 
 
-def _patch_change(targets, action, show_diff):
+def _patch_change(inv, targets, action, show_diff):
     from servops import patching
 
     diffs = {}
@@ -119,7 +119,7 @@ def _patch_change(targets, action, show_diff):
         return res["status"], res["message"]
 
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap)
     if show_diff:
         for host in targets:
@@ -137,10 +137,10 @@ def patch_create(c, file, name, why="", hosts=None, inventory=None):
     from servops import patching
     from servops.errors import ServopsError
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     if len(targets) != 1:
         raise ServopsError(f"patch.create reads one host's edit; pick one with -H (selected {len(targets)})")
-    with Session() as session:
+    with Session(inv) as session:
         path, res = patching.create(session.host(targets[0]), file, name, why=why)
     console.print(f"wrote {path} and {path.with_suffix('.yml')} (diff against the {res['source']})", markup=False)
 
@@ -153,7 +153,7 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
     """Run a patch's preflight proof on the host's python (dynamo fullgraph trace)."""
     from servops import patchstore, preflight
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
 
     def op(hs):
@@ -167,7 +167,7 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
         return OK, f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
 
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap)
     return recap
 
@@ -204,7 +204,7 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
     from servops.gate import parse_gate
     from servops.playbooks import load_variant
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
     conditions = parse_gate(gate) if gate else None
     nnodes = int(v.get("nnodes") or 1)
@@ -213,7 +213,7 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
                            f"hosts (got {len(targets)}), rank 0 first")
     groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_groups(session, groups, lambda nodes: dep.deploy_group(
             nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
             break_lock=break_lock, keep=int(keep) or None, gate=conditions, push_url=push or None), recap,
@@ -229,8 +229,8 @@ def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
 
     from servops import metrics as m
 
-    _, targets = select(inventory, hosts)
-    with Session() as session:
+    inv, targets = select(inventory, hosts)
+    with Session(inv) as session:
         while True:
             rows, recap = {}, Recap()
             run_on_hosts(session, targets, lambda hs: (OK, "") if rows.setdefault(hs.host.name, m.scrape(hs)) else (OK, ""), recap)
@@ -253,7 +253,7 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
     """Benchmark the running server at each concurrency level; save results under results/."""
     from servops import bench as b
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     lv = b.parse_levels(levels)
     data = b.load_dataset(dataset)
     recap = Recap()
@@ -271,7 +271,7 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
             return FAILED, f"incomplete: {done} requests done, {failed} failed; partial results in {result['path']}"
         return OK, f"saved {result['path']}"
 
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap, parallel=1)
     return recap
 
@@ -303,9 +303,9 @@ def rollback(c, to="", dry_run=False, break_lock=False, hosts=None, inventory=No
     """Go back to the previous healthy release (or --to RELEASE): its patches, script, restart."""
     from servops import deploy as dep
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock), recap)
     return recap
 
@@ -334,10 +334,10 @@ def status(c, hosts=None, inventory=None):
     """Current release, variant, patches, server pid, health and uptime per host."""
     from servops import ops
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     recap = Recap()
     rows = {}
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, lambda hs: ops.status(hs, rows), recap)
     ops.print_status([rows[h.name] for h in targets if h.name in rows])
     return recap
@@ -349,8 +349,8 @@ def logs(c, lines=100, follow=False, release="", hosts=None, inventory=None):
     """Show the server log of the current (or given) release."""
     from servops import ops
 
-    _, targets = select(inventory, hosts)
-    with Session() as session:
+    inv, targets = select(inventory, hosts)
+    with Session(inv) as session:
         for host in targets:
             ops.logs(session.host(host), int(lines), follow, release or None, prefix=len(targets) > 1)
 
@@ -360,9 +360,9 @@ def stop(c, grace=0.0, dry_run=False, hosts=None, inventory=None):
     """Stop the server (SIGTERM to its process group, SIGKILL after the grace period)."""
     from servops import ops
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, lambda hs: ops.stop(hs, float(grace) or None, dry_run), recap)
     return recap
 
@@ -372,10 +372,10 @@ def releases_(c, hosts=None, inventory=None):
     """List the releases on each host: variant, status, patches, which is current."""
     from servops import ops
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     listings = {}
     recap = Recap()
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, lambda hs: ops.list_releases(hs, listings), recap)
     ops.print_releases({h.name: listings[h.name] for h in targets if h.name in listings})
     return recap if recap.failed else None
@@ -393,7 +393,7 @@ def diagnose(c, release="", log="", explain=False, context=3, hosts=None, invent
 
     from servops import diagnose as dg
 
-    _, targets = select(inventory, hosts)
+    inv, targets = select(inventory, hosts)
     issues = dg.known_issues()
     log_text = None
     if log:
@@ -407,7 +407,7 @@ def diagnose(c, release="", log="", explain=False, context=3, hosts=None, invent
         results[hs.host.name] = dg.diagnose(hs, release or None, log_text, int(context))
         return OK, f"{len(results[hs.host.name]['tracebacks'])} traceback(s)"
 
-    with Session() as session:
+    with Session(inv) as session:
         run_on_hosts(session, targets, op, recap)
     for h in targets:
         if h.name in results:
@@ -415,5 +415,29 @@ def diagnose(c, release="", log="", explain=False, context=3, hosts=None, invent
     return recap
 
 
+@task(name="up", help={"hosts": "How many lab hosts (127.0.0.2 upwards, port 2222)."})
+def lab_up(c, hosts=1):
+    """Start the lab of inventory/lab.yml here: real sshd on 127.0.0.x:2222, the test venv."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from harness import lab
+
+    started = lab.up(int(hosts))
+    print(f"lab up ({', '.join(started) or 'already running'}); try: invoke deploy --variant baseline -H lab1")
+
+
+@task(name="down")
+def lab_down(c):
+    """Stop the lab's sshd servers (stop the servers first: invoke stop -H lab)."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from harness import lab
+
+    print(f"stopped sshd on: {', '.join(lab.down()) or 'none running'}")
+
+
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
-ns = Collection(inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, diagnose, patch_ns)
+lab_ns = Collection("lab", lab_up, lab_down)
+ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, diagnose, patch_ns)

@@ -11,6 +11,7 @@ import jinja2
 
 from .errors import ServopsError
 from .inventory import Host
+from .shell import remote_path
 
 TEMPLATE_ROOT = Path(os.environ.get("SERVOPS_TEMPLATES") or Path(__file__).resolve().parent.parent / "templates")
 
@@ -23,6 +24,8 @@ def _environment(root: Path) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
     env.filters["shquote"] = lambda v: shlex.quote(str(v))
+    # Like shquote, but a leading ~/ still means the remote user's home ("$HOME"/'rest').
+    env.filters["remote_path"] = remote_path
     return env
 
 

@@ -79,3 +79,16 @@ def test_secrets_masked_in_rendered_output(tmp_path):
     text = render_launch(host, load_variant("baseline"), "r", "/d")
     assert "hf_secretvalue123" in text  # the host needs it
     assert "hf_secretvalue123" not in Redactor.for_host(host)(text)
+
+
+def test_home_relative_venv_still_expands_on_the_host(tmp_path):
+    import subprocess
+    host = parse_inventory("all: {hosts: {h: {venv: '~/lab venv', server_port: 1, model_path: m, tp: 1}}}",
+                           "i.yml").hosts["h"]
+    text = render_launch(host, load_variant("baseline"), "r", "/d")
+    line = next(l for l in text.splitlines() if l.startswith("exec "))
+    assert line.startswith("exec \"$HOME\"/'lab venv/bin/python' -m sglang.launch_server")
+    interpreter = line[len("exec "):].split(" -m ")[0]
+    argv0 = subprocess.run(["bash", "-c", f'set -- {interpreter}; printf %s "$1"'],
+                           capture_output=True, text=True).stdout
+    assert argv0.endswith("/lab venv/bin/python") and not argv0.startswith("~")

@@ -63,7 +63,7 @@ class SshServer:
             f"Subsystem sftp internal-sftp\nAllowUsers {self.user}\n"
         )
         self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
-                                     stderr=open(self.workdir / "sshd.log", "ab"))
+                                     stderr=open(self.workdir / "sshd.log", "ab"), start_new_session=True)
         deadline = time.time() + 10
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,60 @@
+"""Transport over real sshd: ProxyJump, timeouts, quoting, connect errors."""
+
+import socket
+import time
+
+import pytest
+
+from conftest import run_invoke
+from servops.errors import HostKeyError, TransportError
+from servops.inventory import load_inventory
+from servops.transport import Session
+
+CPP_EXT = "flashinfer/jit/cpp_ext.py"
+
+
+def test_proxy_jump_through_another_inventory_host(lab):
+    inv = lab.inventory(n_hosts=2, host_vars={"lab1": {"proxy_jump": "lab2"}})
+    res = run_invoke("inspect", "--file", CPP_EXT, "--lines", "68", "-H", "lab1", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    assert "def get_cuda_version() -> Version:" in res.stdout
+    # the jump host's key is checked too: without it the connection is refused at the jump
+    lines = lab.known_hosts.read_text().splitlines(True)
+    lab.known_hosts.write_text("".join(l for l in lines if not l.startswith(f"[{lab.sshd_hosts(1).address}]")))
+    res = run_invoke("inspect", "--file", CPP_EXT, "--lines", "68", "-H", "lab1", inventory=inv)
+    assert res.returncode != 0 and lab.sshd_hosts(1).address in res.stderr and "is not in" in res.stderr
+
+
+def test_command_timeout_and_connection_reuse(lab):
+    inv = load_inventory(lab.inventory())
+    with Session(inv) as s:
+        hs = s.host(inv.hosts["lab1"])
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="timed out after 1s"):
+            hs.run("sleep 20", timeout=1)
+        assert time.monotonic() - t0 < 5
+        assert hs.run("echo still-here").stdout.strip() == "still-here"
+
+
+def test_connect_refused_and_timeout_are_one_line(lab, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        closed = s.getsockname()[1]
+    inv = lab.inventory(host_vars={"lab1": {"ssh_port": closed}})
+    res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
+    assert res.returncode == 2 and f"cannot connect to 127.0.0.2:{closed}" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_wrong_key_is_an_auth_error(lab, tmp_path):
+    from harness.sshd import keygen
+    other = keygen(tmp_path / "other_key")
+    inv = lab.inventory(group_vars={"ssh_key": str(other)})
+    res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
+    assert res.returncode == 2 and "SSH authentication failed" in res.stderr and "check ssh_user and ssh_key" in res.stderr
+
+
+def test_secrets_never_reach_the_output(lab):
+    inv = lab.inventory(group_vars={"env": {"HF_TOKEN": "hf_TOPSECRET123", "CUDA_HOME": str(lab.cuda_home())}})
+    res = run_invoke("render", "--variant", "baseline", "--host", "lab1", inventory=inv)
+    assert res.returncode == 0 and "HF_TOKEN=***" in res.stdout and "hf_TOPSECRET123" not in res.stdout
