@@ -144,3 +144,14 @@ def run_invoke(*args: str, inventory: Path | None = None, env: dict | None = Non
 @pytest.fixture
 def invoke_cli():
     return run_invoke
+
+
+def playbooks_with(tmp_path: Path, **variants: str) -> Path:
+    """A copy of playbooks/ plus test variants (name -> YAML text); point SERVOPS_PLAYBOOKS at it."""
+    books = tmp_path / "books"
+    books.mkdir(exist_ok=True)
+    for f in (REPO / "playbooks").glob("*.yml"):
+        (books / f.name).write_text(f.read_text())
+    for name, text in variants.items():
+        (books / f"{name}.yml").write_text(text)
+    return books

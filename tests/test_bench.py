@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_invoke
+from conftest import playbooks_with, run_invoke
 
 
 def free_port() -> int:
@@ -22,10 +22,7 @@ def free_port() -> int:
 @pytest.fixture
 def bench_lab(lab, tmp_path):
     inv = lab.inventory(host_vars={"lab1": {"server_port": free_port()}})
-    books = tmp_path / "books"
-    books.mkdir()
-    for f in (REPO / "playbooks").glob("*.yml"):
-        (books / f.name).write_text(f.read_text())
+    books = playbooks_with(tmp_path)
     env = {"SERVOPS_PLAYBOOKS": str(books), "SERVOPS_RESULTS": str(tmp_path / "results")}
     yield inv, books, env, tmp_path / "results"
     run_invoke("stop", "--grace", "2", inventory=inv)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_invoke
+from conftest import REPO, playbooks_with, run_invoke
 
 NAME = "cuda-version-no-subprocess"
 
@@ -147,11 +147,8 @@ def test_never_healthy_times_out_and_rolls_back(deploy_lab, tmp_path):
     lab, inv = deploy_lab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good = current(lab)
-    books = tmp_path / "books"
-    books.mkdir()
-    for f in (REPO / "playbooks").glob("*.yml"):
-        (books / f.name).write_text(f.read_text())
-    (books / "stuck.yml").write_text("extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\nhealth: {timeout: 3, interval: 0.5}\n")
+    books = playbooks_with(tmp_path, stuck="extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\n"
+                                          "health: {timeout: 3, interval: 0.5}\n")
     res = run_invoke("deploy", "--variant", "stuck", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
     assert res.returncode != 0
     assert "timeout: not healthy after 3s" in res.stdout + res.stderr
@@ -175,11 +172,7 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     lab, inv = deploy_lab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good = current(lab)
-    books = tmp_path / "books"
-    books.mkdir()
-    for f in (REPO / "playbooks").glob("*.yml"):
-        (books / f.name).write_text(f.read_text())
-    (books / "slow.yml").write_text("extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: '30'}\n")
+    books = playbooks_with(tmp_path, slow="extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: '30'}\n")
     env = dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books), NO_COLOR="1")
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_invoke
+from conftest import playbooks_with, run_invoke
 
 
 def free_port():
@@ -79,11 +79,7 @@ def test_serial_batches_tolerate_failures_within_max_fail_percentage(fleet):
 def test_multi_node_variant_renders_per_node_and_gates_on_rank0(fleet, tmp_path):
     lab, make = fleet
     inv = make()
-    books = tmp_path / "books"
-    books.mkdir()
-    for f in (REPO / "playbooks").glob("*.yml"):
-        (books / f.name).write_text(f.read_text())
-    (books / "tp16.yml").write_text("extends: baseline\nnnodes: 2\nserver_args: {tp: 16}\n")
+    books = playbooks_with(tmp_path, tp16="extends: baseline\nnnodes: 2\nserver_args: {tp: 16}\n")
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     bad = run_invoke("deploy", "--variant", "tp16", "-H", "lab1,lab2,lab3", inventory=inv, env=env)
     assert bad.returncode == 2 and "select a multiple of 2 hosts (got 3)" in bad.stderr

@@ -199,6 +199,13 @@ def dist_version(dist):
     return (meta["version"], meta["site"]) if meta else (None, None)
 
 
+def installed_or_fail(dist):
+    version, site = dist_version(dist)
+    if version is None:
+        fail("%s is not installed in %s" % (dist, sys.executable))
+    return version, site
+
+
 def op_status():
     root = state_root()
     state = load_state(root)
@@ -219,9 +226,7 @@ def op_apply():
     patch = ARGS["patch"]
     root = state_root()
     with Lock(root, ARGS.get("lock_timeout", 30)):
-        version, site = dist_version(patch["dist"])
-        if version is None:
-            fail("%s is not installed in %s" % (patch["dist"], sys.executable))
+        version, site = installed_or_fail(patch["dist"])
         if ARGS.get("expect_version") and version != ARGS["expect_version"]:
             fail("%s changed to %s while applying; re-run" % (patch["dist"], version))
         state = load_state(root)
@@ -258,8 +263,7 @@ def op_apply():
                 dst = os.path.join(backup, rel)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 replace_file(dst, before)
-            files[rel] = {"before": before is not None and "sha256=" + hashlib.sha256(before).hexdigest(),
-                          "after": after is not None and "sha256=" + hashlib.sha256(after).hexdigest()}
+            files[rel] = {"before": sha(before), "after": sha(after)}
         commit(site, changes)
         state["applied"][patch["name"]] = {"dist": patch["dist"], "version": version, "files": files,
                                            "applied_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -275,9 +279,7 @@ def op_revert():
     patch = ARGS["patch"]
     root = state_root()
     with Lock(root, ARGS.get("lock_timeout", 30)):
-        version, site = dist_version(patch["dist"])
-        if version is None:
-            fail("%s is not installed in %s" % (patch["dist"], sys.executable))
+        version, site = installed_or_fail(patch["dist"])
         state = load_state(root)
         record = state["applied"].get(patch["name"])
         backup = os.path.join(root, "backups", patch["name"])
