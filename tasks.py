@@ -233,7 +233,12 @@ def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
     with Session(inv) as session:
         while True:
             rows, recap = {}, Recap()
-            run_on_hosts(session, targets, lambda hs: (OK, "") if rows.setdefault(hs.host.name, m.scrape(hs)) else (OK, ""), recap)
+
+            def op(hs):
+                rows[hs.host.name] = m.scrape(hs)
+                return OK, ""
+
+            run_on_hosts(session, targets, op, recap)
             ordered = [rows[h.name] for h in targets if h.name in rows]
             if json:
                 print(jsonlib.dumps(ordered, indent=1))
@@ -299,14 +304,14 @@ def compare(c, first, second, more="", host="", out="", inventory=None):
 
 
 @servops_task(help=_DEPLOY_HELP)
-def rollback(c, to="", dry_run=False, break_lock=False, hosts=None, inventory=None):
+def rollback(c, to="", dry_run=False, diff=False, break_lock=False, hosts=None, inventory=None):
     """Go back to the previous healthy release (or --to RELEASE): its patches, script, restart."""
     from servops import deploy as dep
 
     inv, targets = select(inventory, hosts)
     recap = Recap()
     with Session(inv) as session:
-        run_on_hosts(session, targets, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock), recap)
+        run_on_hosts(session, targets, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock, diff), recap)
     return recap
 
 

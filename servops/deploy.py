@@ -65,12 +65,14 @@ def plan_patches(hs: HostSession, wanted: list[str]) -> list[tuple[str, patchsto
     return actions
 
 
-def sync_patches(hs: HostSession, wanted: list[str]) -> list[str]:
+def sync_patches(hs: HostSession, wanted: list[str], show_diff: bool = False) -> list[str]:
     done = []
     for action, patch in plan_patches(hs, wanted):
         res = patching.apply(hs, patch) if action == "apply" else patching.revert(hs, patch)
         if res["status"] == CHANGED:
             done.append(f"{action} {patch.name}")
+            if show_diff:
+                patching.print_diff(hs.host.name, res["diff"])
     return done
 
 
@@ -191,7 +193,10 @@ def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool =
         for hs, lock, extra in zip(nodes, locks, per_node):
             previous[hs.host.name] = lock["listing"]["current"]
             prepared.append(_prepare(hs, _with_args(variant, extra), wanted, lock["root"]))
-        patch_changes = sorted({c for hs in nodes for c in sync_patches(hs, wanted)})
+        patch_changes = sorted({c for hs in nodes for c in sync_patches(hs, wanted, show_diff=diff)})
+        if diff:
+            for (hs, name, _meta), lock in zip(prepared, locks):
+                print_script_diff(hs, lock["root"], previous[hs.host.name], name)
         hs0, name0, _ = prepared[0]
         outcome = _bring_up(prepared, f"{hs0.host.name}: {name0}")
         if outcome["state"] == "healthy" and gate:
@@ -258,7 +263,8 @@ def _report_failure(hs: HostSession, name: str, outcome: dict) -> None:
         err_console.print("---", markup=False)
 
 
-def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None) -> str:
+def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
+                     show_diff: bool = False) -> str:
     """Bring every node back to an earlier release (`to`, or each node's previous healthy one)."""
     targets = []
     for i, hs in enumerate(nodes):
@@ -279,7 +285,10 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
                 raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
         targets.append((hs, target))
     for hs, target in targets:
-        sync_patches(hs, list(target.get("patches") or []))
+        sync_patches(hs, list(target.get("patches") or []), show_diff=show_diff)
+        if show_diff:
+            state = releases.listing(hs)
+            print_script_diff(hs, state["root"], state["current"], target["name"])
     hs0, t0 = targets[0]
     outcome = _bring_up([(hs, t["name"], t) for hs, t in targets], f"{hs0.host.name}: rollback to {t0['name']}")
     if outcome["state"] != "healthy":
@@ -290,7 +299,8 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
     return f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)"
 
 
-def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, break_lock: bool = False) -> tuple[str, str]:
+def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, break_lock: bool = False,
+             diff: bool = False) -> tuple[str, str]:
     if dry_run:
         state = releases.listing(hs)
         target = (next((r for r in state["releases"] if r["name"] == to), None) if to
@@ -298,27 +308,29 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
         if target is None:
             raise DeployError(f"{hs.host.name}: " + (f"no release {to!r}" if to else
                               f"no healthy release before {state['current']} to roll back to"))
-        actions = [f"{a} {p.name}" for a, p in plan_patches(hs, list(target.get("patches") or []))]
+        plan = plan_patches(hs, list(target.get("patches") or []))
+        if diff:
+            print_script_diff(hs, state["root"], state["current"], target["name"])
+            for action, patch in plan:
+                res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
+                       else patching.revert(hs, patch, dry_run=True))
+                patching.print_diff(hs.host.name, res["diff"])
+        actions = [f"{a} {p.name}" for a, p in plan]
         return CHANGED, (f"would roll back {state['current']} -> {target['name']}"
                          + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)")
     with deploy_lock(hs, "rollback", break_lock):
-        return CHANGED, _rollback_locked([hs], to)
+        return CHANGED, _rollback_locked([hs], to, show_diff=diff)
 
 
 def _plan(hs: HostSession, variant: dict, wanted: list[str], show_diff: bool) -> tuple[str, str]:
     """Check mode: render, diff against the current release's script, list patch actions."""
-    import difflib
-
     state = releases.listing(hs)
     root = state["root"]
     name = releases.release_name(variant["name"])
     new = render_for_host(hs, variant, name, root)
     actions = plan_patches(hs, wanted)
     if show_diff:
-        old = _read_remote(hs, f"{root}/releases/{state['current']}/launch.sh") if state["current"] else ""
-        text = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                            f"current/launch.sh", f"{name}/launch.sh"))
-        patching.print_diff(hs.host.name, hs.redactor(text))
+        print_script_diff(hs, root, state["current"], name, new)
         for action, patch in actions:
             res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
                    else patching.revert(hs, patch, dry_run=True))
@@ -326,6 +338,17 @@ def _plan(hs: HostSession, variant: dict, wanted: list[str], show_diff: bool) ->
     summary = ", ".join(f"{a} {p.name}" for a, p in actions)
     return CHANGED, (f"would deploy {name} (replacing {state['current'] or 'nothing'})"
                      + (f"; patches: {summary}" if summary else "") + " (check mode)")
+
+
+def print_script_diff(hs: HostSession, root: str, old: str | None, new: str, new_text: str | None = None) -> None:
+    """Unified diff of launch.sh between two releases (`new_text`: a script not yet on the host)."""
+    import difflib
+
+    before = _read_remote(hs, f"{root}/releases/{old}/launch.sh") if old else ""
+    after = new_text if new_text is not None else _read_remote(hs, f"{root}/releases/{new}/launch.sh")
+    text = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
+                                        f"{old or 'nothing'}/launch.sh", f"{new}/launch.sh"))
+    patching.print_diff(hs.host.name, hs.redactor(text))
 
 
 def _read_remote(hs: HostSession, path: str) -> str:

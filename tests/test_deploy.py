@@ -125,6 +125,14 @@ def test_dry_run_changes_nothing_and_shows_the_script_diff(deploy_lab):
     assert "+exec" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
     assert "+def _query_cuda_version() -> Version:" in res.stdout
     assert sorted(p.name for p in (root_of(lab) / "releases").iterdir()) == before
+    # --diff on a real deploy shows what it changed; rollback --check --diff what it would
+    res = run_invoke("deploy", "--variant", "piecewise", "--diff", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    assert "+def _query_cuda_version() -> Version:" in res.stdout and "+exec" in res.stdout
+    res = run_invoke("rollback", "--check", "--diff", inventory=inv)
+    assert res.returncode == 0 and "would roll back" in res.stdout
+    assert "-def _query_cuda_version() -> Version:" in res.stdout
+    assert current(lab).endswith("-piecewise")
 
 
 def test_lock_held_refuses_second_deploy_and_break_lock(deploy_lab):
