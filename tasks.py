@@ -7,7 +7,7 @@ from invoke import Collection, task
 
 from servops.cli import select, servops_task
 from servops.fleet import run_on_hosts
-from servops.output import CHANGED, FAILED, OK, Recap, console
+from servops.output import FAILED, OK, Recap, console
 from servops.transport import Session
 
 

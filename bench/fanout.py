@@ -6,7 +6,6 @@ Usage: python bench/fanout.py [ROUNDS]
 
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 import yaml
 
 from _lab import REPO, BenchLab
+from harness.sshd import free_port
 
 
 def deploy(env, hosts, cpu=None):
@@ -36,9 +36,7 @@ def main(rounds: int = 3):
     lab = BenchLab(n_hosts=8)
     inv = yaml.safe_load(lab.inventory.read_text())
     for name, hv in inv["all"]["children"]["lab"]["hosts"].items():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            hv["server_port"] = s.getsockname()[1]
+        hv["server_port"] = free_port()
     lab.inventory.write_text(yaml.safe_dump(inv))
     env = dict(os.environ, SERVOPS_INVENTORY=str(lab.inventory), NO_COLOR="1")
     all_hosts = ",".join(inv["all"]["children"]["lab"]["hosts"])

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import sys
 
 from invoke import Exit, Task
 
 from .errors import ServopsError
 from .inventory import load_inventory
-from .output import Recap, console, err_console
+from .output import Recap, err_console
 
 # Flags shared by every task, with the spellings Ansible users already know.
 SHORT_FLAGS = {

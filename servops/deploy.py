@@ -14,7 +14,6 @@ import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -22,7 +21,7 @@ from . import patching, patchstore, releases
 from .deploylock import deploy_lock
 from .errors import ServopsError
 from .health import health_gate
-from .output import CHANGED, FAILED, OK, console, err_console
+from .output import CHANGED, FAILED, console, err_console
 from .playbooks import load_variant
 from .render import render_launch
 from .transport import HostSession

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from . import releases
 from .output import CHANGED, OK, console, table

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -10,13 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.sshd import free_port
 from conftest import playbooks_with, run_invoke
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

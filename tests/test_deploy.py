@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.sshd import free_port
 from conftest import REPO, playbooks_with, run_invoke
 
 NAME = "cuda-version-no-subprocess"
@@ -25,10 +26,6 @@ def deploy_lab(lab):
     run_invoke("stop", "--grace", "2", inventory=inv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_of(inv: Path) -> int:

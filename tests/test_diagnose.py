@@ -1,8 +1,7 @@
 """diagnose: tracebacks from logs, host source context, known issues, call chains."""
 
-import socket
-from pathlib import Path
 
+from harness.sshd import free_port
 from conftest import REPO, run_invoke
 from servops.diagnose import call_chain, known_issues, match
 from servops.remote.tracebacks import extract_tracebacks
@@ -41,10 +40,6 @@ def test_no_traceback():
     assert extract_tracebacks("all good\nserver started\n") == []
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_diagnose_the_crash_on_the_host_then_see_the_patch(lab, remote_env):

@@ -1,18 +1,13 @@
 """Fleet runs over four real sshd hosts on 127.0.0.2-5."""
 
 import os
-import socket
-from pathlib import Path
 
 import pytest
 
+from harness.sshd import free_port
 from conftest import playbooks_with, run_invoke
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """`invoke inspect` over a real sshd against the real flashinfer-python 0.7.2.post1 file."""
 
-import os
 from pathlib import Path
 
 import pytest

@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import REPO, run_invoke
 
 NAME = "cuda-version-no-subprocess"

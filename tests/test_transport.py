@@ -6,7 +6,7 @@ import time
 import pytest
 
 from conftest import run_invoke
-from servops.errors import HostKeyError, TransportError
+from servops.errors import TransportError
 from servops.inventory import load_inventory
 from servops.transport import Session
 

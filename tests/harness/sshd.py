@@ -21,10 +21,21 @@ def find_sshd() -> str | None:
     return shutil.which("sshd")
 
 
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+def free_port(address: str = "0.0.0.0") -> int:
+    """A free port below the kernel's ephemeral range (32768+ on Linux), so no outgoing
+    connection can take it between now and when a server binds it."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def keygen(path: Path, kind: str = "ed25519") -> Path:
