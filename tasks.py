@@ -321,12 +321,12 @@ def render(c, variant, host="", inventory=None):
     from servops.cli import select_one
     from servops.playbooks import load_variant
     from servops.redact import Redactor
-    from servops.releases import release_name
+    from servops.releases import deploy_root, release_name
     from servops.render import render_launch
 
     h = select_one(inventory, host)
     v = load_variant(variant)
-    root = str(h.get("deploy_root") or "~/.servops/deploy")
+    root = deploy_root(h)
     name = release_name(variant)
     text = render_launch(h, v, name, f"{root}/releases/{name}")
     import sys

@@ -77,7 +77,7 @@ def call_chain(tb: dict, entry_rx: str | None) -> list[str]:
 
 
 def diagnose(hs: HostSession, release: str | None = None, log_text: str | None = None, context: int = 3) -> dict:
-    args = {"deploy_root": deploy_root(hs), "release": release, "context": context,
+    args = {"deploy_root": deploy_root(hs.host), "release": release, "context": context,
             "state_dir": hs.host.state_dir, "log_text": log_text}
     return run_program(hs, "diagnose_ctx", args)
 

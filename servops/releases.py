@@ -8,17 +8,18 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .inventory import Host
 from .remote_exec import run_program
 from .transport import HostSession
 
 
-def deploy_root(hs: HostSession) -> str:
-    return str(hs.host.get("deploy_root") or "~/.servops/deploy")
+def deploy_root(host: Host) -> str:
+    return str(host.get("deploy_root") or "~/.servops/deploy")
 
 
 def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
         on_progress: Callable[[dict], None] | None = None, **args: Any) -> dict:
-    return run_program(hs, "deploy_ctl", dict(args, op=op, deploy_root=deploy_root(hs)),
+    return run_program(hs, "deploy_ctl", dict(args, op=op, deploy_root=deploy_root(hs.host)),
                        timeout=ssh_timeout, on_progress=on_progress)
 
 
@@ -53,13 +54,5 @@ def start(hs: HostSession, name: str, port: int) -> dict:
     return ctl(hs, "start", name=name, port=port)
 
 
-def switch(hs: HostSession, name: str) -> dict:
-    return ctl(hs, "switch", name=name)
-
-
 def mark(hs: HostSession, name: str, **fields: Any) -> None:
     ctl(hs, "mark", name=name, fields=fields)
-
-
-def prune(hs: HostSession, keep: int, protect: str | None) -> list[str]:
-    return ctl(hs, "prune", keep=keep, protect=protect)["removed"]

@@ -123,11 +123,6 @@ def make_connection(host: Host, inventory: Inventory | None = None) -> Connectio
     return _secure(conn, host)
 
 
-def sftp_path(path: str) -> str:
-    """SFTP resolves relative paths against the login directory, which is what `~/` means."""
-    return path[2:] if path.startswith("~/") else path
-
-
 class CommandTimeout(Exception):
     pass
 
@@ -240,20 +235,6 @@ class HostSession:
             detail = self.redactor(lines[-1]) if lines else ""
             raise TransportError(f"{self.host.name}: remote command failed (exit {result.exited}): {detail}")
         return result
-
-    def put(self, local: str, remote: str) -> None:
-        self.round_trips += 1
-        self.connection.put(local, sftp_path(remote))
-
-    def put_text(self, text: str, remote: str, mode: int | None = None) -> None:
-        """Upload text through SFTP (no shell involved, so no quoting concerns)."""
-        self.round_trips += 1
-        sftp = self.connection.sftp()
-        remote = sftp_path(remote)
-        with sftp.open(remote, "w") as fh:
-            fh.write(text.encode())
-        if mode is not None:
-            sftp.chmod(remote, mode)
 
     def close(self) -> None:
         if self._conn is not None:

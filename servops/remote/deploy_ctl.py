@@ -157,15 +157,14 @@ def op_switch():
 
 def port_in_use(port):
     """Is something listening? SO_REUSEADDR as servers set it, so TIME_WAIT leftovers don't count."""
-    for family, addr in ((socket.AF_INET, "0.0.0.0"),):
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return True
-        finally:
-            s.close()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("0.0.0.0", port))
+    except OSError:
+        return True
+    finally:
+        s.close()
     return False
 
 

@@ -169,26 +169,25 @@ def refresh_bytecode(path):
         pass  # a missing .pyc is recompiled at import; a read-only tree just runs slower
 
 
+def put_content(path, data):
+    """Make the file hold `data`; None means the file must not exist."""
+    if data is None:
+        if os.path.exists(path):
+            os.unlink(path)
+    else:
+        replace_file(path, data, like=path)
+
+
 def commit(site, changes):
     """Replace every file, or none: on any failure restore what was already replaced."""
     done = []
     try:
         for rel, before, after in changes:
-            path = os.path.join(site, rel)
-            if after is None:
-                if os.path.exists(path):
-                    os.unlink(path)
-            else:
-                replace_file(path, after, like=path)
+            put_content(os.path.join(site, rel), after)
             done.append((rel, before))
     except BaseException as exc:
         for rel, before in reversed(done):
-            path = os.path.join(site, rel)
-            if before is None:
-                if os.path.exists(path):
-                    os.unlink(path)
-            else:
-                replace_file(path, before, like=path)
+            put_content(os.path.join(site, rel), before)
         fail("writing the patched files failed (%s); every file was restored" % exc)
     for rel, _b, _a in changes:
         refresh_bytecode(os.path.join(site, rel))
