@@ -122,6 +122,11 @@ def read(path):
         return None
 
 
+def staged_changes(site, work, files):
+    """(rel, live bytes, staged bytes) for each file patch(1) produced in the scratch tree."""
+    return [(rel, read(os.path.join(site, rel)), read(os.path.join(work, rel))) for rel in files]
+
+
 def unified(rel, before, after):
     a = (before or b"").decode("utf-8", "replace").splitlines(True)
     b = (after or b"").decode("utf-8", "replace").splitlines(True)
@@ -243,11 +248,7 @@ def op_apply():
                     reply({"site": site_dirs(), "result": "ok", "message": "already applied", "diff": ""})
                     return
                 fail("patch %s does not apply to %s %s (nothing was changed):\n%s" % (patch["name"], patch["dist"], version, msg))
-            changes = []
-            for rel in patch["files"]:
-                before = read(os.path.join(site, rel))
-                after = read(os.path.join(work, rel))
-                changes.append((rel, before, after))
+            changes = staged_changes(site, work, patch["files"])
         finally:
             shutil.rmtree(work, ignore_errors=True)
         diff = "".join(unified(rel, b, a) for rel, b, a in changes)
@@ -306,8 +307,7 @@ def op_revert():
                         reply({"site": site_dirs(), "result": "ok", "message": "not applied", "diff": ""})
                         return
                     fail("patch %s cannot be reverted: the files were edited since (nothing was changed):\n%s" % (patch["name"], msg))
-                for rel in patch["files"]:
-                    changes.append((rel, read(os.path.join(site, rel)), read(os.path.join(work, rel))))
+                changes = staged_changes(site, work, patch["files"])
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         diff = "".join(unified(rel, b, a) for rel, b, a in changes)
