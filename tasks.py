@@ -3,12 +3,18 @@
 Run `invoke --list` for the verbs and `invoke --help VERB` for each one's flags.
 """
 
-from invoke import Collection, task
+import os
+import sys
 
-from servops.cli import select, servops_task
-from servops.fleet import run_on_hosts
-from servops.output import FAILED, OK, Recap, console
-from servops.transport import Session
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from any subdirectory
+try:
+    from invoke import Collection
+
+    from servops.cli import VerbRun, on_hosts, select, select_one, servops_task
+    from servops.output import CHANGED, FAILED, OK, console
+except ImportError as exc:  # not installed: one line, not a traceback
+    sys.stderr.write(f"error: servops cannot load ({exc}); run `bash scripts/setup.sh`, then `. .venv/bin/activate`\n")
+    sys.exit(2)
 
 
 @servops_task(help={
@@ -17,45 +23,40 @@ from servops.transport import Session
     "symbol": "Print one def/class (decorators + body), found by AST: get_cuda_version or Class.method.",
     "grep": "Print lines matching this Python regular expression, with line numbers.",
     "context": "Lines of context around --grep matches.",
-    "verify": "Drift check (like rpm -V): compare a distribution's files with its RECORD hashes.",
+    "verify": "Drift check (like rpm -V): distributions to compare with their RECORD hashes, comma-separated.",
     "allow_outside": "Allow --file to name a path outside site-packages (absolute or via ..).",
     "color": "Force syntax highlighting on (yes) or off (no); default: on for a terminal.",
 })
 def inspect(c, file="", lines="", symbol="", grep="", context=0, verify="", allow_outside=False,
             color="auto", hosts=None, inventory=None):
-    """Show library source from a host's venv (one SSH round trip), or verify a distribution."""
+    """Show library source from a host's venv (one SSH round trip), or verify distributions."""
     from servops import inspect as ins
 
-    inv, targets = select(inventory, hosts)
     highlight = {"yes": True, "no": False}.get(color)
-    req = None if verify else ins.InspectRequest(file, lines or None, symbol or None, grep or None,
-                                                 int(context), allow_outside)
-    if req:
-        req.program_args()  # validate before connecting anywhere
-    recap = Recap()
-    results = {}
+    if verify:
+        dists = ins.parse_dists(verify)
 
-    def op(hs):
-        if verify:
-            res = ins.verify_dist(hs, verify)
-            results[hs.host.name] = res
-            drift = len(res["modified"]) + len(res["missing"])
-            return (FAILED, f"{drift} file(s) differ from RECORD") if drift else (OK, f"{res['checked']} files verified")
-        results[hs.host.name] = ins.inspect_file(hs, req)
-        return OK, ""
+        def op(hs):
+            res = ins.verify_dists(hs, dists)
+            drift = sum(len(r["modified"]) + len(r["missing"]) for r in res)
+            checked = sum(r["checked"] for r in res)
+            expected = sum(len(r.get("patched") or []) for r in res)
+            note = f"; {expected} changed by servops patches (expected)" if expected else ""
+            if drift:
+                return FAILED, f"{drift} file(s) differ from RECORD{note}", res
+            return OK, f"{checked} files verified{note}", res
 
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap)
-    for host in targets:
-        if host.name not in results:
-            continue
-        if verify:
-            ins.print_verify(host.name, results[host.name])
-        else:
-            ins.print_inspect(host.name, results[host.name], highlight)
-    if len(targets) > 1 or recap.failed or verify:
-        return recap
-    return None
+        run = on_hosts(inventory, hosts, op)
+        for h, res in run.each():
+            for r in res:
+                ins.print_verify(h.name, r)
+        return run.recap
+    req = ins.InspectRequest(file, lines or None, symbol or None, grep or None, context, allow_outside)
+    req.program_args()  # validate before connecting anywhere
+    run = on_hosts(inventory, hosts, lambda hs: (OK, "", ins.inspect_file(hs, req)))
+    for h, res in run.each():
+        ins.print_inspect(h.name, res, highlight)
+    return run.recap
 
 
 @servops_task(name="status", help={"name": "Only this patch (default: every patch in patches/)."})
@@ -63,22 +64,18 @@ def patch_status(c, name="", hosts=None, inventory=None):
     """Per host: each known patch applied / not applied / conflicts / version does not match."""
     from servops import patching, patchstore
 
-    inv, targets = select(inventory, hosts)
     patches = [patchstore.find_patch(name)] if name else patchstore.all_patches()
     if not patches:
         raise patchstore.PatchError("no patches under patches/ (expected patches/<distribution>/<name>.patch)")
-    rows = {}
 
     def op(hs):
-        rows[hs.host.name] = patching.status(hs, patches)
-        bad = [r["patch"] for r in rows[hs.host.name] if r["state"] == patching.CONFLICTS]
-        return (FAILED, f"conflicts: {', '.join(bad)}") if bad else (OK, "")
+        rows = patching.status(hs, patches)
+        bad = [r["patch"] for r in rows if r["state"] == patching.CONFLICTS]
+        return (FAILED, f"conflicts: {', '.join(bad)}", rows) if bad else (OK, "", rows)
 
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap)
-    patching.print_status({h.name: rows[h.name] for h in targets if h.name in rows})
-    return recap
+    run = on_hosts(inventory, hosts, op)
+    patching.print_status({h.name: rows for h, rows in run.each()})
+    return run.recap
 
 
 _PATCH_HELP = {
@@ -88,14 +85,23 @@ _PATCH_HELP = {
 }
 
 
+def _patch_change(inventory, hosts, action, show_diff):
+    from servops import patching
+
+    run = on_hosts(inventory, hosts, lambda hs: (lambda r: (r["status"], r["message"], r["diff"]))(action(hs)))
+    if show_diff:
+        for h, diff in run.each():
+            patching.print_diff(h.name, diff)
+    return run.recap
+
+
 @servops_task(name="apply", positional=["name"], help=_PATCH_HELP)
 def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30, hosts=None, inventory=None):
     """Apply a versioned patch to site-packages: atomic, idempotent, recorded on the host."""
     from servops import patching, patchstore
 
-    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
-    return _patch_change(inv, targets, lambda hs: patching.apply(hs, patch, dry_run, force, int(lock_timeout)), diff)
+    return _patch_change(inventory, hosts, lambda hs: patching.apply(hs, patch, dry_run, force, lock_timeout), diff)
 
 
 @servops_task(name="revert", positional=["name"], help=_PATCH_HELP)
@@ -103,28 +109,8 @@ def patch_revert(c, name, dry_run=False, diff=False, lock_timeout=30, hosts=None
     """Revert a patch: exact restore from the host's backup, else a reverse patch(1)."""
     from servops import patching, patchstore
 
-    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
-    return _patch_change(inv, targets, lambda hs: patching.revert(hs, patch, dry_run, int(lock_timeout)), diff)
-
-
-def _patch_change(inv, targets, action, show_diff):
-    from servops import patching
-
-    diffs = {}
-
-    def op(hs):
-        res = action(hs)
-        diffs[hs.host.name] = res["diff"]
-        return res["status"], res["message"]
-
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap)
-    if show_diff:
-        for host in targets:
-            patching.print_diff(host.name, diffs.get(host.name, ""))
-    return recap
+    return _patch_change(inventory, hosts, lambda hs: patching.revert(hs, patch, dry_run, lock_timeout), diff)
 
 
 @servops_task(name="create", help={
@@ -135,14 +121,12 @@ def _patch_change(inv, targets, action, show_diff):
 def patch_create(c, file, name, why="", hosts=None, inventory=None):
     """Capture a hand edit on the host as a patch + metadata skeleton under patches/."""
     from servops import patching
-    from servops.errors import ServopsError
 
-    inv, targets = select(inventory, hosts)
-    if len(targets) != 1:
-        raise ServopsError(f"patch.create reads one host's edit; pick one with -H (selected {len(targets)})")
-    with Session(inv) as session:
-        path, res = patching.create(session.host(targets[0]), file, name, why=why)
-    console.print(f"wrote {path} and {path.with_suffix('.yml')} (diff against the {res['source']})", markup=False)
+    inv, host = select_one(inventory, hosts, "patch.create")
+    run = on_hosts(inventory, host.name, lambda hs: (OK, "", patching.create(hs, file, name, why=why)))
+    for h, (path, res) in run.each():
+        run.recap.mark(h.name, CHANGED, f"wrote {path} and {path.with_suffix('.yml')} (diff against the {res['source']})")
+    return run.recap
 
 
 @servops_task(name="preflight", positional=["name"], help={
@@ -153,7 +137,6 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
     """Run a patch's preflight proof on the host's python (dynamo fullgraph trace)."""
     from servops import patchstore, preflight
 
-    inv, targets = select(inventory, hosts)
     patch = patchstore.find_patch(name)
 
     def op(hs):
@@ -161,15 +144,12 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
         passed = res["result"] == "pass"
         text = (f"{patch.preflight['call']} compiles under torch.compile(fullgraph=True) (torch {res['torch']})"
                 if passed else f"{res['error_type']}: {res['message']}")
-        console.print(f"{hs.host.name}: preflight {res['result']}: {text}", markup=False)
+        console.print(f"{hs.host.name}: preflight {res['result']}: {hs.redactor(text)}", markup=False)
         if passed != (not expect_fail):
             return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res['error_type']}")
         return OK, f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
 
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap)
-    return recap
+    return on_hosts(inventory, hosts, op).recap
 
 
 _DEPLOY_HELP = {
@@ -194,13 +174,12 @@ _BENCH_HELP = {
 }
 
 
-@servops_task(help=_DEPLOY_HELP)
+@servops_task(help=_DEPLOY_HELP, bounds={"max_fail_percentage": (0, 100)})
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
            keep=0, gate="", push="", serial=0, max_fail_percentage=0.0, hosts=None, inventory=None):
     """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
     from servops import deploy as dep
     from servops.errors import ServopsError
-    from servops.fleet import run_on_groups
     from servops.gate import parse_gate
     from servops.playbooks import load_variant
 
@@ -212,13 +191,10 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
         raise ServopsError(f"variant {variant} runs on {nnodes} nodes per server; select a multiple of {nnodes} "
                            f"hosts (got {len(targets)}), rank 0 first")
     groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_groups(session, groups, lambda nodes: dep.deploy_group(
-            nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-            break_lock=break_lock, keep=int(keep) or None, gate=conditions, push_url=push or None), recap,
-            serial=int(serial) or None, max_fail_percentage=float(max_fail_percentage))
-    return recap
+    return VerbRun(inv, targets).run(lambda nodes: dep.deploy_group(
+        nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
+        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push or None),
+        groups=groups, serial=serial or None, max_fail_percentage=max_fail_percentage).recap
 
 
 @servops_task(help={"watch": "Refresh every SECONDS until Ctrl-C.", "json": "Print JSON for machines."})
@@ -229,27 +205,20 @@ def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
 
     from servops import metrics as m
 
-    inv, targets = select(inventory, hosts)
-    with Session(inv) as session:
-        while True:
-            rows, recap = {}, Recap()
-
-            def op(hs):
-                rows[hs.host.name] = m.scrape(hs)
-                return OK, ""
-
-            run_on_hosts(session, targets, op, recap)
-            ordered = [rows[h.name] for h in targets if h.name in rows]
-            if json:
-                print(jsonlib.dumps(ordered, indent=1))
-            else:
-                m.print_metrics(ordered)
-            if not watch or recap.failed:
-                return recap if recap.failed else None
-            try:
-                time.sleep(float(watch))
-            except KeyboardInterrupt:
-                return None
+    while True:
+        run = on_hosts(inventory, hosts, lambda hs: (OK, "", m.scrape(hs)))
+        run.recap.machine_output = json
+        rows = [row for _h, row in run.each()]
+        if json:
+            print(jsonlib.dumps(rows, indent=1))
+        else:
+            m.print_metrics(rows)
+        if not watch or run.recap.failed:
+            return run.recap
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return run.recap
 
 
 @servops_task(help=_BENCH_HELP)
@@ -258,13 +227,11 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
     """Benchmark the running server at each concurrency level; save results under results/."""
     from servops import bench as b
 
-    inv, targets = select(inventory, hosts)
     lv = b.parse_levels(levels)
     data = b.load_dataset(dataset)
-    recap = Recap()
 
     def op(hs):
-        result = b.run_bench(hs, lv, int(requests), int(input_len), int(output_len), data)
+        result = b.run_bench(hs, lv, requests, input_len, output_len, data)
         b.print_result(result)
         if push:
             from servops.push import push_bench
@@ -276,31 +243,35 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
             return FAILED, f"incomplete: {done} requests done, {failed} failed; partial results in {result['path']}"
         return OK, f"saved {result['path']}"
 
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap, parallel=1)
-    return recap
+    return on_hosts(inventory, hosts, op, parallel=1).recap
 
 
 @servops_task(positional=["first", "second"], help={
     "first": "Reference variant (deltas are relative to it), e.g. baseline.",
     "second": "Variant to compare with it, e.g. piecewise.",
     "more": "Further variants, comma-separated.",
-    "host": "Host whose results to compare (default: the only/first selected host).",
     "out": "PNG path for the plot (default results/<host>/compare-A-vs-B.png).",
 })
-def compare(c, first, second, more="", host="", out="", inventory=None):
-    """Compare variants' latest bench results side by side, with deltas and a PNG plot."""
+def compare(c, first, second, more="", out="", hosts=None, inventory=None):
+    """Compare variants' latest bench results side by side (local results/), with deltas and a PNG plot."""
     from pathlib import Path
 
     from servops import compare as cmp
     from servops.bench import RESULTS_ROOT
 
     variants = [first, second] + [v.strip() for v in more.split(",") if v.strip()]
-    h = select(inventory, host or None)[1][0]
-    results = cmp.load_pair(h.name, list(variants))
-    cmp.print_compare(h.name, results)
-    png = Path(out) if out else RESULTS_ROOT / h.name / f"compare-{'-vs-'.join(variants)}.png"
-    console.print(f"plot: {cmp.plot(h.name, results, png)}", markup=False)
+    inv, targets = select(inventory, hosts)
+    run = VerbRun(inv, targets)
+    for h in targets:  # local files only: no connection
+        try:
+            results = cmp.load_pair(h.name, list(variants))
+        except Exception as exc:  # noqa: BLE001 - reported per host
+            run.recap.mark(h.name, FAILED, str(exc))
+            continue
+        cmp.print_compare(h.name, results)
+        png = Path(out) if out and len(targets) == 1 else RESULTS_ROOT / h.name / f"compare-{'-vs-'.join(variants)}.png"
+        run.recap.mark(h.name, OK, f"plot: {cmp.plot(h.name, results, png)}")
+    return run.recap
 
 
 @servops_task(help=_DEPLOY_HELP)
@@ -308,30 +279,24 @@ def rollback(c, to="", dry_run=False, diff=False, break_lock=False, hosts=None, 
     """Go back to the previous healthy release (or --to RELEASE): its patches, script, restart."""
     from servops import deploy as dep
 
-    inv, targets = select(inventory, hosts)
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock, diff), recap)
-    return recap
+    return on_hosts(inventory, hosts, lambda hs: dep.rollback(hs, to or None, dry_run, break_lock, diff)).recap
 
 
-@servops_task(help={"variant": "Variant to render.", "host": "Inventory host whose vars fill the template."})
-def render(c, variant, host="", inventory=None):
-    """Print the launch script a variant renders to for a host, without touching the host."""
-    from servops.cli import select_one
+@servops_task(help={"variant": "Variant to render."})
+def render(c, variant, hosts=None, inventory=None):
+    """Print the launch script a variant renders to for each host, exactly as deploy would write it."""
+    from servops import deploy as dep
     from servops.playbooks import load_variant
-    from servops.redact import Redactor
-    from servops.releases import deploy_root, release_name
-    from servops.render import render_launch
 
-    h = select_one(inventory, host)
     v = load_variant(variant)
-    root = deploy_root(h)
-    name = release_name(variant)
-    text = render_launch(h, v, name, f"{root}/releases/{name}")
-    import sys
-
-    sys.stdout.write(Redactor.for_host(h)(text))
+    run = on_hosts(inventory, hosts, lambda hs: (OK, "", dep.render_preview(hs, v)))
+    run.recap.machine_output = True  # stdout is exactly the script deploy writes
+    for h, text in run.each():
+        if len(run.targets) > 1:
+            sys.stdout.write(f"# ---- {h.name} ----\n")
+        sys.stdout.write(text)
+    sys.stdout.flush()
+    return run.recap
 
 
 @servops_task
@@ -339,25 +304,29 @@ def status(c, hosts=None, inventory=None):
     """Current release, variant, patches, server pid, health and uptime per host."""
     from servops import ops
 
-    inv, targets = select(inventory, hosts)
-    recap = Recap()
-    rows = {}
-    with Session(inv) as session:
-        run_on_hosts(session, targets, lambda hs: ops.status(hs, rows), recap)
-    ops.print_status([rows[h.name] for h in targets if h.name in rows])
-    return recap
+    run = on_hosts(inventory, hosts, ops.status)
+    ops.print_status([row for _h, row in run.each()])
+    return run.recap
 
 
 @servops_task(help={"lines": "How many lines from the end.", "follow": "Keep printing new lines (Ctrl-C stops).",
-                    "release": "A release other than current."})
+                    "release": "A release other than current (a name from invoke releases)."})
 def logs(c, lines=100, follow=False, release="", hosts=None, inventory=None):
     """Show the server log of the current (or given) release."""
     from servops import ops
 
     inv, targets = select(inventory, hosts)
-    with Session(inv) as session:
-        for host in targets:
-            ops.logs(session.host(host), int(lines), follow, release or None, prefix=len(targets) > 1)
+    if follow and len(targets) > 1:
+        from servops.errors import ServopsError
+
+        raise ServopsError(f"logs -f follows one host; pick one with -H (selected: {', '.join(h.name for h in targets)})")
+    run = on_hosts(inventory, hosts, lambda hs: ops.logs(hs, lines, release or None))
+    run.recap.machine_output = True  # stdout is the log itself: the recap goes to stderr
+    for h, res in run.each():
+        ops.print_logs(h.name, res, prefix=len(targets) > 1)
+    if follow and not run.recap.failed:
+        ops.follow(inv, targets[0], run.results[targets[0].name])
+    return run.recap
 
 
 @servops_task(help={"grace": "Seconds between SIGTERM and SIGKILL (default: the release's stop_grace)."})
@@ -365,11 +334,7 @@ def stop(c, grace=0.0, dry_run=False, hosts=None, inventory=None):
     """Stop the server (SIGTERM to its process group, SIGKILL after the grace period)."""
     from servops import ops
 
-    inv, targets = select(inventory, hosts)
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, lambda hs: ops.stop(hs, float(grace) or None, dry_run), recap)
-    return recap
+    return on_hosts(inventory, hosts, lambda hs: ops.stop(hs, grace or None, dry_run)).recap
 
 
 @servops_task(name="releases")
@@ -377,13 +342,9 @@ def releases_(c, hosts=None, inventory=None):
     """List the releases on each host: variant, status, patches, which is current."""
     from servops import ops
 
-    inv, targets = select(inventory, hosts)
-    listings = {}
-    recap = Recap()
-    with Session(inv) as session:
-        run_on_hosts(session, targets, lambda hs: ops.list_releases(hs, listings), recap)
-    ops.print_releases({h.name: listings[h.name] for h in targets if h.name in listings})
-    return recap if recap.failed else None
+    run = on_hosts(inventory, hosts, ops.list_releases)
+    ops.print_releases({h.name: listing for h, listing in run.each()})
+    return run.recap
 
 
 @servops_task(help={
@@ -398,51 +359,54 @@ def diagnose(c, release="", log="", explain=False, context=3, hosts=None, invent
 
     from servops import diagnose as dg
 
-    inv, targets = select(inventory, hosts)
     issues = dg.known_issues()
     log_text = None
     if log:
         if not Path(log).is_file():
             raise dg.DiagnoseError(f"--log {log!r}: no such local file")
         log_text = Path(log).read_text(errors="replace")
-    results = {}
-    recap = Recap()
 
     def op(hs):
-        results[hs.host.name] = dg.diagnose(hs, release or None, log_text, int(context))
-        return OK, f"{len(results[hs.host.name]['tracebacks'])} traceback(s)"
+        res = dg.diagnose(hs, release or None, log_text, int(context))
+        return OK, f"{len(res['tracebacks'])} traceback(s)", res
 
-    with Session(inv) as session:
-        run_on_hosts(session, targets, op, recap)
+    run = on_hosts(inventory, hosts, op)
+    for h, res in run.each():
+        dg.print_report(h.name, res, issues, explain)
+    return run.recap
+
+
+@servops_task(name="up")
+def lab_up(c, hosts=None, inventory=None):
+    """Start the lab on this machine: real sshd for each lab host of inventory/lab.yml, the lab venv."""
+    from servops.lab import manage
+
+    inv, targets = select(inventory, hosts)
+    run = VerbRun(inv, targets)
+    started = manage.up(targets)
     for h in targets:
-        if h.name in results:
-            dg.print_report(h.name, results[h.name], issues, explain)
-    return recap
+        addr = f"{h.ssh_host}:{h.ssh_port}"
+        run.recap.mark(h.name, CHANGED if addr in started else OK, f"sshd {'started' if addr in started else 'running'} on {addr}")
+    console.print(f"lab up; try: invoke deploy --variant baseline -H {targets[0].name}", markup=False)
+    return run.recap
 
 
-@task(name="up", help={"hosts": "How many lab hosts (127.0.0.2 upwards, port 2222)."})
-def lab_up(c, hosts=1):
-    """Start the lab of inventory/lab.yml here: real sshd on 127.0.0.x:2222, the test venv."""
-    import sys
+@servops_task(name="down")
+def lab_down(c, hosts=None, inventory=None):
+    """Stop the lab: each lab host's server (from its deploy_root), then its sshd. Idempotent."""
+    from servops.lab import manage
 
-    sys.path.insert(0, "tests")
-    from harness import lab
-
-    started = lab.up(int(hosts))
-    print(f"lab up ({', '.join(started) or 'already running'}); try: invoke deploy --variant baseline -H lab1")
-
-
-@task(name="down")
-def lab_down(c):
-    """Stop the lab's sshd servers (stop the servers first: invoke stop -H lab)."""
-    import sys
-
-    sys.path.insert(0, "tests")
-    from harness import lab
-
-    print(f"stopped sshd on: {', '.join(lab.down()) or 'none running'}")
+    inv, targets = select(inventory, hosts)
+    run = VerbRun(inv, targets)
+    servers, sshds = manage.down(targets)
+    for h in targets:
+        mine = [s for s in servers if s.startswith(f"{h.name} ")] + \
+               [f"sshd {a}" for a in sshds if a == f"{h.ssh_host}:{h.ssh_port}"]
+        run.recap.mark(h.name, CHANGED if mine else OK, ("stopped " + ", ".join(mine)) if mine else "nothing running")
+    return run.recap
 
 
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
-ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare, diagnose, patch_ns)
+ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare,
+                diagnose, patch_ns)

@@ -8,12 +8,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from harness import remote_venv  # noqa: E402
-from harness.sshd import keygen, make_server  # noqa: E402
+from servops.lab import venvs as remote_venv  # noqa: E402
+from servops.lab.sshd import keygen, make_server  # noqa: E402
 
 
 class BenchLab:

@@ -14,7 +14,7 @@ import time
 import yaml
 
 from _lab import REPO, BenchLab
-from harness.sshd import free_port
+from servops.lab.sshd import free_port
 
 
 def deploy(env, hosts, cpu=None):

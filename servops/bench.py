@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import releases
 from .errors import ServopsError
-from .output import console, is_tty, table
+from .provenance import git_sha
+from .output import console, is_tty, print_table, table
 from .remote_exec import run_program
 from .transport import HostSession
 
@@ -57,19 +58,13 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
         progress.close()
     result = {
         "host": hs.host.name, "release": state["current"], "variant": release.get("variant"),
-        "patches": release.get("patches") or [], "servops_git": _git_sha(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "patches": release.get("patches") or [], "servops_git": git_sha(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": {k: v for k, v in args.items() if k != "dataset"} | {"dataset": "random" if dataset is None else "file"},
         "levels": res["levels"],
     }
     result["complete"] = (len(res["levels"]) == len(levels) and all(l["failed"] == 0 for l in res["levels"]))
     result["path"] = str(save(result))
     return result
-
-
-def _git_sha():
-    from .deploy import git_sha
-
-    return git_sha()
 
 
 class _progress:
@@ -136,5 +131,5 @@ def print_result(result: dict) -> None:
     for l in result["levels"]:
         t.add_row(str(l["concurrency"]), f"{l['completed']}/{l['failed']}", _f(l["request_rate"], 2), _f(l["output_tps"]),
                   _f(l["ttft_p50"]), _f(l["ttft_p99"]), _f(l["itl_p50"], 2), _f(l["itl_p99"], 2), _f(l["e2e_p50"]))
-    console.print(t)
+    print_table(t)
     console.print(f"saved {result['path']}", markup=False)

@@ -1,13 +1,16 @@
-"""Glue between invoke tasks and servops: flags, host selection, error handling, recap."""
+"""Glue between invoke tasks and servops: flags, host selection, the run-on-hosts pattern,
+error handling and the recap every verb ends with."""
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Iterator
 
 from invoke import Exit, Task
+from invoke.parser.context import ParserContext
 
 from .errors import ServopsError
-from .inventory import load_inventory
+from .inventory import Host, Inventory, load_inventory
 from .output import Recap, err_console
 
 # Flags shared by every task, with the spellings Ansible users already know.
@@ -16,7 +19,6 @@ SHORT_FLAGS = {
     "inventory": ["inventory", "I"],
     "dry_run": ["dry-run", "check", "C"],
     "diff": ["diff", "D"],
-    "host": ["host"],  # no -h: that is --help
 }
 
 COMMON_HELP = {
@@ -27,39 +29,105 @@ COMMON_HELP = {
 }
 
 
+class _NumberText(str):
+    """A numeric flag's raw text. invoke would cast with int()/float() and print a traceback
+    on `--grace abc`; the task wrapper converts it instead, with a one-line error."""
+
+    metavar = "NUMBER"
+    cast = float
+
+    @classmethod
+    def parse(cls, flag: str, raw, low: float | None, high: float | None):
+        try:
+            value = cls.cast(str(raw).strip())
+        except ValueError:
+            raise ServopsError(f"--{flag} {str(raw)!r}: expected {'an integer' if cls.cast is int else 'a number'}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ServopsError(f"--{flag} {str(raw)!r}: expected a finite number")
+        if low is not None and value < low:
+            raise ServopsError(f"--{flag} {value}: must be {low} or more")
+        if high is not None and value > high:
+            raise ServopsError(f"--{flag} {value}: must be {high} or less")
+        return value
+
+
+class IntText(_NumberText):
+    metavar = "INT"
+    cast = int
+
+
+class FloatText(_NumberText):
+    metavar = "FLOAT"
+    cast = float
+
+
+_invoke_help_for = ParserContext.help_for
+
+
+def _help_for(self, flag):
+    """invoke shows a value type only for str and int flags; show ours (INT, FLOAT) too."""
+    names, text = _invoke_help_for(self, flag)
+    metavar = getattr(self.flags[flag].kind, "metavar", None)
+    if metavar:
+        names = ", ".join(n + (f" {metavar}" if len(n.lstrip("-")) == 1 else f"={metavar}")
+                          for n in names.split(", "))
+    return names, text
+
+
+ParserContext.help_for = _help_for
+
+
 class ServopsTask(Task):
-    """An invoke Task whose common flags get fixed names (-H, -I, -C/--check, -D)."""
+    """An invoke Task whose common flags get fixed names (-H, -I, -C/--check, -D) and whose
+    numeric flags are parsed by servops (one-line errors, ranges)."""
 
     def arg_opts(self, name, default, taken_names):
         opts = super().arg_opts(name, default, taken_names)
         if name in SHORT_FLAGS:
             opts["names"] = list(SHORT_FLAGS[name])
+        if isinstance(default, bool):
+            return opts
+        if isinstance(default, int):
+            opts["kind"] = IntText
+        elif isinstance(default, float):
+            opts["kind"] = FloatText
         return opts
 
 
-def servops_task(*args, help=None, **kwargs):
-    """@task with shared help for common flags and one-line errors instead of tracebacks."""
+def servops_task(*args, help=None, bounds=None, **kwargs):
+    """@task with shared help for common flags, one-line errors instead of tracebacks, and
+    the per-host recap printed for every verb that returns one.
+
+    Numeric flags (an int or float default) are 0 or more unless `bounds` gives
+    {flag: (low, high)} (None: unbounded)."""
     merged_help = dict(COMMON_HELP)
     merged_help.update(help or {})
 
     def decorate(fn):
+        import inspect as _inspect
+
+        numeric = {name: (type(p.default), (bounds or {}).get(name, (0, None)))
+                   for name, p in _inspect.signature(fn).parameters.items()
+                   if type(p.default) in (int, float)}
+
         @functools.wraps(fn)
         def wrapper(c, *a, **kw):
             try:
+                for name, (kind, (low, high)) in numeric.items():
+                    if name in kw:
+                        text_kind = IntText if kind is int else FloatText
+                        kw[name] = text_kind.parse(name.replace("_", "-"), kw[name], low, high)
                 result = fn(c, *a, **kw)
             except ServopsError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+                err_console.print(f"error: {exc}", markup=False, highlight=False, style="bold red")
                 raise Exit(code=exc.exit_code) from None
             if isinstance(result, Recap):
                 result.render()
-                for host in result.failed:
-                    for message in result.hosts[host].messages[-1:]:
-                        err_console.print(f"[bold red]error:[/] {message}", highlight=False)
                 if result.failed:
-                    raise Exit(code=2)
+                    raise Exit(code=result.exit_code)
+                return None
             return result
 
-        import inspect as _inspect
         params = [p for p in _inspect.signature(fn).parameters]
         help_for = {k: v for k, v in merged_help.items() if k in params}
         return ServopsTask(wrapper, help=help_for, **kwargs)
@@ -69,17 +137,49 @@ def servops_task(*args, help=None, **kwargs):
     return decorate
 
 
-def select(inventory: str | None, hosts: str | None):
+def select(inventory: str | None, hosts: str | None) -> tuple[Inventory, list[Host]]:
     inv = load_inventory(inventory)
     return inv, inv.select(hosts)
 
 
-def select_one(inventory: str | None, host: str | None):
+def select_one(inventory: str | None, hosts: str | None, verb: str) -> tuple[Inventory, Host]:
     """One host: the named one, or the inventory's only host."""
-    from .errors import InventoryError
-
-    inv = load_inventory(inventory)
-    chosen = inv.select(host or None)
+    inv, chosen = select(inventory, hosts)
     if len(chosen) != 1:
-        raise InventoryError(f"{inv.path}: pick one host with --host (candidates: {', '.join(h.name for h in chosen)})")
-    return chosen[0]
+        raise ServopsError(f"{verb} works on one host; pick one with -H (selected: {', '.join(h.name for h in chosen)})")
+    return inv, chosen[0]
+
+
+class VerbRun:
+    """One verb over the selected hosts: each host's (status, message[, data]) into the recap,
+    the data kept for printing afterwards in inventory order."""
+
+    def __init__(self, inv: Inventory, targets: list[Host]):
+        self.inv, self.targets = inv, targets
+        self.recap = Recap()
+        self.results: dict[str, Any] = {}
+
+    def run(self, op: Callable, *, groups: list[list[Host]] | None = None, **fleet_kwargs) -> "VerbRun":
+        from .fleet import run_on_groups
+        from .transport import Session
+
+        def wrapped(sessions):
+            out = op(sessions[0]) if groups is None else op(sessions)
+            status, message, *data = out
+            if data:
+                self.results[sessions[0].host.name] = data[0]
+            return status, message
+
+        with Session(self.inv) as session:
+            run_on_groups(session, groups or [[h] for h in self.targets], wrapped, self.recap, **fleet_kwargs)
+        return self
+
+    def each(self) -> Iterator[tuple[Host, Any]]:
+        for host in self.targets:
+            if host.name in self.results:
+                yield host, self.results[host.name]
+
+
+def on_hosts(inventory: str | None, hosts: str | None, op: Callable, **fleet_kwargs) -> VerbRun:
+    inv, targets = select(inventory, hosts)
+    return VerbRun(inv, targets).run(op, **fleet_kwargs)

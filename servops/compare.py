@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .bench import RESULTS_ROOT, BenchError, latest_for_variant
-from .output import console, table
+from .output import console, print_table, table
 
 ROWS = (("output_tps", "output tok/s", True), ("request_rate", "req/s", True), ("ttft_p50", "TTFT p50 ms", False),
         ("ttft_p99", "TTFT p99 ms", False), ("itl_p50", "ITL p50 ms", False), ("e2e_p50", "e2e p50 ms", False))
@@ -38,7 +38,7 @@ def print_compare(host: str, results: dict[str, dict]) -> None:
             vals = [by[n].get(key) for n in names]
             t.add_row(str(level), label, *("-" if v is None else f"{v:.2f}" for v in vals),
                       *(delta(by[base].get(key), by[n].get(key)) for n in names[1:]))
-    console.print(t)
+    print_table(t)
 
 
 def plot(host: str, results: dict[str, dict], out: Path) -> Path:

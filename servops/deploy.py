@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,22 +22,13 @@ from .errors import ServopsError
 from .health import health_gate
 from .output import CHANGED, FAILED, console, err_console
 from .playbooks import load_variant
+from .provenance import REPO, git_sha
+from .redact import secret_values
 from .render import render_launch
 from .transport import HostSession
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 class DeployError(ServopsError):
     pass
-
-
-def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def server_port(hs: HostSession) -> int:
@@ -75,7 +65,7 @@ def sync_patches(hs: HostSession, wanted: list[str], show_diff: bool = False) ->
     return done
 
 
-def _files_for_release(hs: HostSession, variant: dict, launch: str, patches: list[str]) -> dict:
+def _files_for_release(hs: HostSession, variant: dict, launch, patches: list[str]) -> dict:
     record = {
         "variant": variant["name"], "chain": variant["chain"], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "patches": patches, "status": "deploying", "servops_git": git_sha(), "port": server_port(hs),
@@ -83,11 +73,14 @@ def _files_for_release(hs: HostSession, variant: dict, launch: str, patches: lis
         "stop_grace": variant.get("stop_grace", 30), "deployed_by": os.environ.get("USER", "unknown"),
     }
     shown = {k: v for k, v in variant.items() if k not in ("chain",)}
-    return {
-        "launch.sh": {"text": launch, "mode": 0o755},
-        "variant.yml": {"text": yaml.safe_dump(shown, sort_keys=False)},
+    files = {
+        "launch.sh": {"text": launch.script, "mode": 0o700},
+        "variant.yml": {"text": hs.redactor(yaml.safe_dump(shown, sort_keys=False))},
         "release.json": {"text": json.dumps(record, indent=1, sort_keys=True)},
     }
+    if launch.secret_env:
+        files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
+    return files
 
 
 def _server_files(hs: HostSession) -> dict:
@@ -135,8 +128,13 @@ def _bring_up(nodes: list[tuple[HostSession, str, dict]], label: str) -> dict:
     return outcome
 
 
-def render_for_host(hs: HostSession, variant: dict, name: str, root: str) -> str:
-    return render_launch(hs.host, variant, name, f"{root}/releases/{name}")
+def render_for_host(hs: HostSession, variant: dict):
+    return render_launch(hs.host, variant)
+
+
+def render_preview(hs: HostSession, variant: dict) -> str:
+    """The launch script exactly as deploy would write it on this host."""
+    return render_for_host(hs, variant).script
 
 
 def _check_port(hs: HostSession, res: dict) -> None:
@@ -176,6 +174,8 @@ def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool =
                  push_url: str | None = None) -> tuple[str, str]:
     """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first)."""
     variant = load_variant(variant_name)
+    for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
+        hs.redactor.add(secret_values(variant["env"], hs.host.get("secret_vars") or ()))
     wanted = [] if skip_patches else list(variant["patches"])
     for name in wanted:
         patchstore.find_patch(name)  # fail before touching the host
@@ -229,8 +229,7 @@ def _now() -> str:
 def _prepare(hs: HostSession, variant: dict, wanted: list[str], root: str) -> tuple[HostSession, str, dict]:
     """A new release dir with its launch script, variant, record and the server files."""
     base = releases.release_name(variant["name"])
-    launch = render_for_host(hs, variant, "@@RELEASE_NAME@@", root).replace(
-        f"{root}/releases/@@RELEASE_NAME@@", "@@RELEASE_DIR@@")
+    launch = render_for_host(hs, variant)
     files = _files_for_release(hs, variant, launch, wanted)
     files.update(_server_files(hs))
     prepared = releases.ctl(hs, "prepare", name=base, files=files)
@@ -326,7 +325,7 @@ def _plan(hs: HostSession, variant: dict, wanted: list[str], show_diff: bool) ->
     state = releases.listing(hs)
     root = state["root"]
     name = releases.release_name(variant["name"])
-    new = render_for_host(hs, variant, name, root)
+    new = render_preview(hs, variant)
     actions = plan_patches(hs, wanted)
     if show_diff:
         print_script_diff(hs, root, state["current"], name, new)

@@ -72,10 +72,17 @@ def inspect_file(hs: HostSession, req: InspectRequest) -> dict:
     return run_program(hs, "inspect_file", req.program_args())
 
 
-def verify_dist(hs: HostSession, dist: str) -> dict:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", dist or ""):
-        raise ServopsError(f"--verify {dist!r}: expected a distribution name like flashinfer-python")
-    return run_program(hs, "verify_dist", {"dist": dist})
+def parse_dists(spec: str) -> list[str]:
+    dists = [d.strip() for d in spec.split(",") if d.strip()]
+    for dist in dists or [spec]:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", dist or ""):
+            raise ServopsError(f"--verify {dist!r}: expected distribution names like flashinfer-python,sglang")
+    return dists
+
+
+def verify_dists(hs: HostSession, dists: list[str]) -> list[dict]:
+    """RECORD check of each distribution; files an applied servops patch changed are listed apart."""
+    return run_program(hs, "verify_dist", {"dists": dists})["dists"]
 
 
 def format_plain(result: dict) -> list[str]:
@@ -121,17 +128,20 @@ def print_inspect(host: str, result: dict, highlight: bool | None = None) -> Non
 
 
 def print_verify(host: str, result: dict) -> None:
-    from rich.table import Table
+    from .output import print_table, table
 
     name = f"{result['name']} {result['version']}"
+    patched = result.get("patched") or []
     if not result["modified"] and not result["missing"]:
-        console.print(f"{host}: {name}: {result['checked']} files match RECORD", markup=False)
-        return
-    t = Table(title=f"{host}: {name} drift ({result['checked']} files checked)", title_justify="left")
-    t.add_column("state")
-    t.add_column("file")
+        note = f" ({len(patched)} changed by servops patches, as expected)" if patched else ""
+        console.print(f"{host}: {name}: {result['checked']} files match RECORD{note}", markup=False)
+        if not patched:
+            return
+    t = table(f"{host}: {name} ({result['checked']} files checked)", ["state", "file"])
+    for entry in patched:
+        t.add_row(f"patched by {entry['patch']} (expected)", entry["file"])
     for path in result["modified"]:
-        t.add_row("modified", path)
+        t.add_row("modified (unexpected drift)", path)
     for path in result["missing"]:
         t.add_row("missing", path)
-    console.print(t)
+    print_table(t)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import InventoryError
+from .schema import INVENTORY_VARS, NAME, SchemaError, coerce
 
 DEFAULT_INVENTORY = "inventory/lab.yml"
 
@@ -25,8 +26,6 @@ _ALIASES = {
     "ansible_ssh_private_key_file": "ssh_key",
 }
 
-_INT_VARS = ("ssh_port", "server_port", "tp", "connect_timeout", "command_timeout", "keep_releases")
-_BOOL_VARS = ("accept_new_host_keys",)
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,6 @@ class Host:
         """The remote interpreter that owns the site-packages we operate on."""
         return str(self.vars.get("python") or f"{self.venv.rstrip('/')}/bin/python")
 
-    @property
-    def state_dir(self) -> str:
-        return str(self.vars.get("state_dir") or "~/.servops")
-
 
 @dataclass
 class Inventory:
@@ -119,18 +114,27 @@ def _mapping(value: Any, where: str, path: str) -> dict:
 
 
 def _normalise_vars(raw: dict, where: str, path: str) -> dict:
+    """Known vars checked against the schema (types, ranges, safe names); others kept as they are
+    (templates may use them)."""
     out = {}
     for key, value in raw.items():
         key = _ALIASES.get(str(key), str(key))
-        if key in _INT_VARS and value is not None:
+        field = INVENTORY_VARS.get(key)
+        if field is not None:
             try:
-                value = int(value)
-            except (TypeError, ValueError):
-                raise InventoryError(f"{path}: '{where}.{key}' must be an integer, got {value!r}") from None
-        if key in _BOOL_VARS and not isinstance(value, bool):
-            raise InventoryError(f"{path}: '{where}.{key}' must be true or false, got {value!r}")
+                value = coerce(value, field, f"{path}: {where}.{key}")
+            except SchemaError as exc:
+                raise InventoryError(str(exc)) from None
         out[key] = value
     return out
+
+
+def _check_name(kind: str, name: Any, where: str, path: str) -> str:
+    text = str(name)
+    if not NAME.fullmatch(text):
+        raise InventoryError(f"{path}: {where}: {kind} name {text!r} must be letters, digits, '.', '_' or '-' "
+                             f"(it is used in file names and scripts)")
+    return text
 
 
 def parse_inventory(text: str, path: str = "<inventory>") -> Inventory:
@@ -160,14 +164,14 @@ def parse_inventory(text: str, path: str = "<inventory>") -> Inventory:
         chain = chain + [(name, gvars)]
         members: list[str] = []
         for hname, hvars in _mapping(node.get("hosts"), f"{where}.hosts", path).items():
-            hname = str(hname)
+            hname = _check_name("host", hname, f"{where}.hosts", path)
             hv = _normalise_vars(_mapping(hvars, f"{where}.hosts.{hname}", path), f"{where}.hosts.{hname}", path)
             host_vars.setdefault(hname, {}).update(hv)
             existing = host_chain.setdefault(hname, [])
             existing.extend(c for c in chain if c not in existing)
             members.append(hname)
         for cname, cnode in _mapping(node.get("children"), f"{where}.children", path).items():
-            cname = str(cname)
+            cname = _check_name("group", cname, f"{where}.children", path)
             for m in walk(cname, cnode, chain, f"{where}.children.{cname}"):
                 if m not in members:
                     members.append(m)

@@ -116,7 +116,7 @@ def _fmt(v, scale=1.0, digits=1):
 
 
 def print_metrics(rows: list[dict]) -> None:
-    from .output import console, table
+    from .output import console, print_table, table
 
     t = table("server metrics", ["host", "running", "queued", "token usage", "gen tok/s", "cache hit",
                                  "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "e2e p50/p99 s"])
@@ -125,10 +125,10 @@ def print_metrics(rows: list[dict]) -> None:
         t.add_row(r["host"], _fmt(r["running"], 1, 0), _fmt(r["queued"], 1, 0), _fmt(r["token_usage"], 100, 1) + "%",
                   _fmt(r["gen_throughput"]), _fmt(r["cache_hit_rate"], 100, 1) + "%", q("ttft"), q("itl"),
                   f"{_fmt(r['e2e']['p50'], 1, 2)}/{_fmt(r['e2e']['p99'], 1, 2)}")
-    console.print(t)
+    print_table(t)
     gpu_rows = [(r["host"], g) for r in rows for g in r["gpus"]]
     if gpu_rows:
         g = table("GPUs", ["host", "gpu", "util %", "memory used / total (MiB)"])
         for host, gpu in gpu_rows:
             g.add_row(host, str(gpu["index"]), f"{gpu['util']:.0f}", f"{gpu['mem_used_mib']:.0f} / {gpu['mem_total_mib']:.0f}")
-        console.print(g)
+        print_table(g)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import releases
-from .output import CHANGED, OK, console, table
+from .output import CHANGED, OK, console, print_table, table
 from .transport import HostSession
 
 
@@ -16,36 +16,49 @@ def _uptime(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def status(hs: HostSession, rows: dict) -> tuple[str, str]:
+def status(hs: HostSession) -> tuple[str, str, dict]:
     res = releases.ctl(hs, "status")
     rel = res["release"] or {}
     server = res["server"]
-    rows[hs.host.name] = {
+    row = {
         "host": hs.host.name, "release": res["current"] or "-", "variant": rel.get("variant", "-"),
         "patches": ", ".join(rel.get("patches") or []) or "-", "pid": str(server["pid"]) if server else "-",
         "health": {True: "healthy", False: "unhealthy", None: "down"}[res["healthy"]] if server else "down",
         "uptime": _uptime(res["now"] - server["started_epoch"]) if server else "-",
     }
-    return OK, ""
+    return OK, "", row
 
 
 def print_status(rows: list[dict]) -> None:
     t = table("servers", ["host", "release", "variant", "patches", "pid", "health", "uptime"])
     for r in rows:
         t.add_row(*(r[k] for k in ("host", "release", "variant", "patches", "pid", "health", "uptime")))
-    console.print(t)
+    print_table(t)
 
 
-def logs(hs: HostSession, lines: int, follow: bool, release: str | None, prefix: bool) -> None:
-    from . import shell
-
+def logs(hs: HostSession, lines: int, release: str | None) -> tuple[str, str, dict]:
+    if release is not None:
+        releases.check_name(release, "--release")
     res = releases.ctl(hs, "logs", name=release, lines=lines)
-    tag = f"{hs.host.name}: " if prefix else ""
-    out = [tag + hs.redactor(line) for line in res["lines"]]
-    if out:
-        sys.stdout.write("\n".join(out) + "\n")
+    res["lines"] = [hs.redactor(line) for line in res["lines"]]
+    return OK, f"{res['name']}/server.log", res
+
+
+def print_logs(host: str, res: dict, prefix: bool) -> None:
+    tag = f"{host}: " if prefix else ""
+    if res["lines"]:
+        sys.stdout.write("\n".join(tag + line for line in res["lines"]) + "\n")
         sys.stdout.flush()
-    if follow:
+
+
+def follow(inventory, host, res: dict) -> None:
+    """`tail -F` the log on the host until Ctrl-C; every chunk redacted."""
+    from . import shell
+    from .transport import Session
+
+    with Session(inventory) as session:
+        hs = session.host(host)
+
         def emit(text: str) -> None:
             sys.stdout.write(hs.redactor(text))
             sys.stdout.flush()
@@ -68,9 +81,9 @@ def stop(hs: HostSession, grace: float | None, dry_run: bool) -> tuple[str, str]
     return CHANGED, f"stopped pid {res['pid']} ({how})"
 
 
-def list_releases(hs: HostSession, out: dict) -> tuple[str, str]:
-    out[hs.host.name] = releases.listing(hs)
-    return OK, ""
+def list_releases(hs: HostSession) -> tuple[str, str, dict]:
+    listing = releases.listing(hs)
+    return OK, f"{len(listing['releases'])} release(s), current {listing['current'] or '-'}", listing
 
 
 def print_releases(listings: dict) -> None:
@@ -80,4 +93,4 @@ def print_releases(listings: dict) -> None:
             t.add_row(host, r["name"], r.get("variant", "-"), r.get("status", "-"),
                       ", ".join(r.get("patches") or []) or "-", r.get("created", "-"),
                       "current" if r["name"] == state["current"] else "")
-    console.print(t)
+    print_table(t)

@@ -7,7 +7,6 @@ import threading
 from dataclasses import dataclass, field
 
 
-
 class _LazyConsole:
     """A rich Console created on first use: plain piped output never pays rich's import."""
 
@@ -50,6 +49,8 @@ class Recap:
         self._lock = threading.Lock()
         self.hosts: dict[str, HostOutcome] = {}
         self.order: list[str] = []
+        self.exit_code = 2  # when any host failed; a verb may choose another (diagnose: 1)
+        self.machine_output = False  # stdout holds JSON: the recap goes to stderr
 
     def expect(self, names: list[str]) -> None:
         """Print the recap in this (inventory) order, whatever order hosts finish in."""
@@ -67,22 +68,43 @@ class Recap:
     def failed(self) -> list[str]:
         return [h for h, o in self.hosts.items() if o.status == FAILED]
 
-    def render(self, con=None) -> None:
-        con = con or console
+    def render(self) -> None:
+        """One line per host in inventory order; a failed host's line (with its error) on
+        stderr, the others on stdout, each flushed so a terminal shows them in order."""
         if not self.hosts:
             return
-        con.print()
+        from rich.text import Text
+
         names = [n for n in self.order if n in self.hosts] + [n for n in self.hosts if n not in self.order]
+        (err_console if self.machine_output else console).print()
         for name in names:
             out = self.hosts[name]
             last = out.messages[-1] if out.messages else ""
-            con.print(f"[{_STYLE[out.status]}]{name}[/] : {out.status}" + (f" - {last}" if last else ""))
+            line = Text(name, style=_STYLE[out.status])
+            line.append(f" : {out.status}" + (f" - {last}" if last else ""))
+            con = err_console if out.status == FAILED or self.machine_output else console
+            con.print(line)
+            con.file.flush()
 
 
 def table(title: str, columns: list[str]):
-    from rich.table import Table
+    """A rich Table whose cells and title are plain text: a name like `a[bold]b` prints as is.
 
-    t = Table(title=title, title_justify="left")
+    Pass a rich Text for a styled cell."""
+    from rich.table import Table
+    from rich.text import Text
+
+    class PlainTable(Table):
+        def add_row(self, *cells, **kwargs):
+            super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
+    t = PlainTable(title=Text(title), title_justify="left")
     for c in columns:
-        t.add_column(c)
+        t.add_column(Text(c))
     return t
+
+
+def print_table(t, con=None) -> None:
+    """Print a table whole: piped output gets the table's natural width, never cut names."""
+    con = con or console
+    con.print(t, width=None if con.is_terminal else 10_000)

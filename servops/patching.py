@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .output import CHANGED, OK, console, is_tty
+from .output import CHANGED, OK, console, err_console, is_tty
+from .provenance import operator
 from .patchstore import PATCH_ROOT, Patch, PatchError, write_patch
 from .remote_exec import run_program
 from .transport import HostSession
@@ -20,12 +21,17 @@ _REMOTE_STATE = {"not-applied": NOT_APPLIED, "applied": APPLIED, "conflicts": CO
                  "not-installed": NOT_INSTALLED}
 
 
-def _base_args(hs: HostSession, op: str) -> dict:
-    return {"op": op, "state_dir": hs.host.state_dir}
+def _run(hs: HostSession, op: str, **args) -> dict:
+    """One patch_op run. Every op first finishes or undoes a transaction a killed run left
+    behind on the host; say so when it did."""
+    res = run_program(hs, "patch_op", dict(args, op=op, operator=operator()))
+    if res.get("recovered"):
+        err_console.print(f"{hs.host.name}: patch state: {res['recovered']}", markup=False)
+    return res
 
 
 def status(hs: HostSession, patches: list[Patch]) -> list[dict]:
-    res = run_program(hs, "patch_op", dict(_base_args(hs, "status"), patches=[p.remote_spec() for p in patches]))
+    res = _run(hs, "status", patches=[p.remote_spec() for p in patches])
     rows = []
     for patch, entry in zip(patches, res["patches"]):
         state = _REMOTE_STATE[entry["state"]]
@@ -49,19 +55,18 @@ def _check_version(hs: HostSession, patch: Patch, force: bool) -> str:
 def apply(hs: HostSession, patch: Patch, dry_run: bool = False, force: bool = False,
           lock_timeout: int = 30) -> dict:
     version = _check_version(hs, patch, force)
-    res = run_program(hs, "patch_op", dict(_base_args(hs, "apply"), patch=patch.remote_spec(), dry_run=dry_run,
-                                           expect_version=version, lock_timeout=lock_timeout))
+    res = _run(hs, "apply", patch=patch.remote_spec(), dry_run=dry_run, expect_version=version,
+               lock_timeout=lock_timeout)
     return {"status": CHANGED if res["result"] == "changed" else OK, "message": res["message"], "diff": res["diff"]}
 
 
 def revert(hs: HostSession, patch: Patch, dry_run: bool = False, lock_timeout: int = 30) -> dict:
-    res = run_program(hs, "patch_op", dict(_base_args(hs, "revert"), patch=patch.remote_spec(), dry_run=dry_run,
-                                           lock_timeout=lock_timeout))
+    res = _run(hs, "revert", patch=patch.remote_spec(), dry_run=dry_run, lock_timeout=lock_timeout)
     return {"status": CHANGED if res["result"] == "changed" else OK, "message": res["message"], "diff": res["diff"]}
 
 
 def create(hs: HostSession, file: str, name: str, root: Path = PATCH_ROOT, why: str = "") -> tuple[Path, dict]:
-    res = run_program(hs, "patch_op", dict(_base_args(hs, "pristine"), file=file))
+    res = _run(hs, "pristine", file=file)
     if not res["diff"]:
         raise PatchError(f"{hs.host.name}: {res['rel']} is identical to its pristine copy ({res['source']}); nothing to capture")
     path = write_patch(root, res["dist"], name, res["diff"], [res["rel"]], res["version"], why)
@@ -84,12 +89,14 @@ def print_diff(host: str, diff: str) -> None:
 
 
 def print_status(rows_by_host: dict[str, list[dict]]) -> None:
-    from .output import table
+    from rich.text import Text
+
+    from .output import print_table, table
 
     t = table("patch status", ["host", "patch", "distribution", "installed", "applies_to", "state"])
     style = {APPLIED: "green", NOT_APPLIED: "yellow", CONFLICTS: "red", MISMATCH: "magenta", NOT_INSTALLED: "dim"}
     for host, rows in rows_by_host.items():
         for r in rows:
             t.add_row(host, r["patch"], r["dist"], r["version"] or "-", r["applies_to"],
-                      f"[{style[r['state']]}]{r['state']}[/]")
-    console.print(t)
+                      Text(r["state"], style=style[r["state"]]))
+    print_table(t)

@@ -5,9 +5,11 @@ Thin wrappers over the remote deploy_ctl program; each call is one SSH command.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable
 
+from .errors import ServopsError
 from .inventory import Host
 from .remote_exec import run_program
 from .transport import HostSession
@@ -26,6 +28,17 @@ def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
 def batch(hs: HostSession, *steps: dict, ssh_timeout: int | None = None) -> list[dict]:
     """Several deploy_ctl ops in one SSH command; a failing step stops the rest."""
     return ctl(hs, "batch", ssh_timeout=ssh_timeout, steps=list(steps))["results"]
+
+
+RELEASE_NAME_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z-[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(name: str, flag: str) -> str:
+    """A release is named by its directory name as `invoke releases` lists it; never a path."""
+    if not RELEASE_NAME_RE.fullmatch(name or ""):
+        raise ServopsError(f"{flag} {name!r}: expected a release name as listed by `invoke releases` "
+                           f"(e.g. 20261202T101500Z-baseline), not a path")
+    return name
 
 
 def release_name(variant: str, when: float | None = None) -> str:

@@ -15,9 +15,9 @@ def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str
                 on_progress: Callable[[dict], None] | None = None) -> dict:
     """Run a remote program; `on_progress` gets each JSON line it prints before its result."""
     python = python or hs.host.python
-    command = shell.python_stdin(python, env)
+    command = shell.python_stdin(python)
     on_output = _line_splitter(on_progress) if on_progress else None
-    result = hs.run(command, stdin=remote.with_args(name, args), timeout=timeout, on_output=on_output)
+    result = hs.run(command, stdin=remote.with_args(name, args, env), timeout=timeout, on_output=on_output)
     out = result.stdout.strip()
     try:
         data = json.loads(out.splitlines()[-1]) if out else None

@@ -6,7 +6,7 @@ Nothing here runs anything; the transport layer executes what these return.
 from __future__ import annotations
 
 import shlex
-from typing import Iterable, Mapping
+from typing import Iterable
 
 
 def quote(arg: object) -> str:
@@ -31,17 +31,7 @@ def join(argv: Iterable[object]) -> str:
     return " ".join(quote(a) for a in argv)
 
 
-def with_env(command: str, env: Mapping[str, str] | None) -> str:
-    """Prefix `env K=V ... command`, each assignment quoted as one word."""
-    if not env:
-        return command
-    for key in env:
-        if not key.replace("_", "a").isalnum() or key[0].isdigit():
-            raise ValueError(f"invalid environment variable name {key!r}")
-    assigns = " ".join(quote(f"{k}={v}") for k, v in env.items())
-    return f"env {assigns} {command}"
-
-
-def python_stdin(python: str, env: Mapping[str, str] | None = None) -> str:
-    """Run a Python program read from stdin (`python -`): the whole operation is one round trip."""
-    return with_env(f"{remote_path(python)} -", env)
+def python_stdin(python: str) -> str:
+    """Run a Python program read from stdin (`python -`): the whole operation is one round trip.
+    Its arguments and environment travel on stdin too (servops.remote.with_args)."""
+    return f"{remote_path(python)} -"

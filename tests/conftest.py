@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import remote_venv
-from harness.sshd import find_sshd, keygen, make_server
+from servops.lab import venvs as remote_venv
+from servops.lab.sshd import find_sshd, keygen, make_server
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -56,6 +56,8 @@ def remote_env() -> dict:
 def venv(remote_env):
     """The remote venv for one test; watched files are put back byte for byte afterwards."""
     yield remote_env["venv"]
+    # The venv's own patch state (servops keeps it inside the venv) goes with the restore.
+    shutil.rmtree(Path(remote_env["venv"]).resolve() / ".servops", ignore_errors=True)
     site = remote_env["site"]
     for rel, data in remote_env["pristine"].items():
         path = site / rel
@@ -116,7 +118,7 @@ class LabFactory:
                 lines.append(srv.known_hosts_line)
             hv = dict(template_hosts[name] or {})
             hv.update(ssh_host=srv.address, ssh_port=srv.port, ssh_user=srv.user,
-                      state_dir=str(self.tmp / f"state-{name}"), deploy_root=str(self.tmp / f"deploy-{name}"))
+                      deploy_root=str(self.tmp / f"deploy-{name}"))
             hv.update((host_vars or {}).get(name, {}))
             hosts[name] = hv
         self.known_hosts.write_text("".join(lines))
@@ -131,14 +133,17 @@ class LabFactory:
 
 
 def run_invoke(*args: str, inventory: Path | None = None, env: dict | None = None,
-               timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real CLI (`invoke ...` from the repo root) as a user would."""
+               timeout: int = 300, merged: bool = False) -> subprocess.CompletedProcess:
+    """Run the real CLI (`invoke ...` from the repo root) as a user would.
+
+    merged=True: stderr into stdout, in the order a terminal shows them (stderr is then '')."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", NO_COLOR="1")
     if inventory:
         full_env["SERVOPS_INVENTORY"] = str(inventory)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, env=full_env, text=True,
+                          timeout=timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.sshd import free_port
+from servops.lab.sshd import free_port
 from conftest import playbooks_with, run_invoke
 
 
@@ -61,7 +61,7 @@ def test_compare_and_metric_gate(bench_lab):
         assert run_invoke("deploy", "--variant", name, inventory=inv, env=env).returncode == 0
         res = run_invoke("bench", "--levels", "1,8", "--requests", "8", "--output-len", "8", inventory=inv, env=env)
         assert res.returncode == 0, res.stderr
-    res = run_invoke("compare", "fast", "slow", "--host", "lab1", inventory=inv, env=env)
+    res = run_invoke("compare", "fast", "slow", "-H", "lab1", inventory=inv, env=env)
     assert res.returncode == 0, res.stderr
     assert "Δ slow" in res.stdout and "output tok/s" in res.stdout
     png = results / "lab1" / "compare-fast-vs-slow.png"
@@ -71,7 +71,7 @@ def test_compare_and_metric_gate(bench_lab):
     res = run_invoke("deploy", "--variant", "slow", "--gate", "output_tps@8 >= 1.02*fast", inventory=inv, env=env)
     assert res.returncode != 0
     assert "gate FAIL: output_tps@8 >= 1.02*fast" in res.stdout
-    assert f"rolled back to {deployed}" in res.stdout and current_release(inv) == deployed
+    assert f"rolled back to {deployed}" in res.stderr and current_release(inv) == deployed
     # and a gate it meets keeps the release
     res = run_invoke("deploy", "--variant", "fast", "--gate", "output_tps@8 >= 1.02*slow", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr

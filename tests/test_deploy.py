@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.sshd import free_port
+from servops.lab.sshd import free_port
 from conftest import REPO, playbooks_with, run_invoke
 
 NAME = "cuda-version-no-subprocess"
@@ -51,12 +51,12 @@ def health(port: int) -> int:
 
 def test_render_prints_the_script_without_a_host(lab):
     inv = lab.inventory()
-    res = run_invoke("render", "--variant", "piecewise", "--host", "lab1", inventory=inv)
+    res = run_invoke("render", "--variant", "piecewise", "-H", "lab1", inventory=inv)
     assert res.returncode == 0, res.stderr
     assert "-m sglang_double" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
     assert "--tp 8" in res.stdout and "--model-path /models/GLM-5-NVFP4" in res.stdout
     assert "export CUDA_HOME=" in res.stdout
-    bad = run_invoke("render", "--variant", "nope", "--host", "lab1", inventory=inv)
+    bad = run_invoke("render", "--variant", "nope", "-H", "lab1", inventory=inv)
     assert bad.returncode == 2 and "unknown variant 'nope'" in bad.stderr and "baseline" in bad.stderr
 
 
@@ -74,7 +74,7 @@ def test_piecewise_unpatched_crashes_rolls_back_then_patched_is_healthy(deploy_l
     assert "crash signature" in res.stderr and "torch._dynamo.exc.Unsupported" in res.stderr
     assert "Traceback (most recent call last)" in res.stderr  # the real traceback excerpt
     assert "is_cuda_version_at_least" in res.stderr
-    assert f"rolled back to {baseline}" in res.stdout
+    assert f"rolled back to {baseline}" in res.stderr
     assert current(lab) == baseline and health(port)["piecewise_cuda_graph"] is False
     failed = [r for r in (root_of(lab) / "releases").iterdir() if r.name.endswith("-piecewise")]
     assert json.loads((failed[0] / "release.json").read_text())["status"] == "failed"
@@ -157,7 +157,7 @@ def test_never_healthy_times_out_and_rolls_back(deploy_lab, tmp_path):
     res = run_invoke("deploy", "--variant", "stuck", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
     assert res.returncode != 0
     assert "timeout: not healthy after 3s" in res.stdout + res.stderr
-    assert f"rolled back to {good}" in res.stdout and current(lab) == good
+    assert f"rolled back to {good}" in res.stderr and current(lab) == good
 
 
 def test_port_in_use_is_a_clear_error(deploy_lab):

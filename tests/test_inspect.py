@@ -9,11 +9,18 @@ from conftest import run_invoke
 CPP_EXT = "flashinfer/jit/cpp_ext.py"
 
 
+def printed(res) -> list[str]:
+    """inspect's output lines, without the recap every verb ends with (a blank line, one line per host)."""
+    lines = res.stdout.splitlines()
+    assert lines[-2:] == ["", "lab1 : ok"], lines[-3:]
+    return lines[:-2]
+
+
 def test_lines_60_90_of_the_real_file(lab, remote_env):
     inv = lab.inventory()
     res = run_invoke("inspect", "--file", CPP_EXT, "--lines", "60:90", inventory=inv)
     assert res.returncode == 0, res.stderr
-    out = res.stdout.splitlines()
+    out = printed(res)
     assert out[0].startswith("==> lab1: ") and "[flashinfer-python 0.7.2.post1]" in out[0]
     assert out[0].endswith(str(remote_env["site"] / CPP_EXT) + " [flashinfer-python 0.7.2.post1] <==")
     real = (remote_env["site"] / CPP_EXT).read_text().splitlines()
@@ -26,7 +33,7 @@ def test_lines_60_90_of_the_real_file(lab, remote_env):
 def test_symbol_prints_decorator_and_body_with_the_subprocess_call(lab):
     res = run_invoke("inspect", "--file", CPP_EXT, "--symbol", "get_cuda_version", inventory=lab.inventory())
     assert res.returncode == 0, res.stderr
-    body = res.stdout.splitlines()[1:]
+    body = printed(res)[1:]
     assert body[0] == "    67  @functools.cache"
     assert body[1].startswith("    68  def get_cuda_version()")
     assert any('subprocess.check_output([nvcc, "--version"], text=True)' in l for l in body)
@@ -37,7 +44,7 @@ def test_grep_with_context_marks_matches(lab):
     res = run_invoke("inspect", "--file", CPP_EXT, "--grep", r"subprocess\.", "--context", "1",
                      inventory=lab.inventory())
     assert res.returncode == 0, res.stderr
-    lines = res.stdout.splitlines()[1:]
+    lines = printed(res)[1:]
     matches = [l for l in lines if l[6:7] == ":"]
     assert any("subprocess.check_output([nvcc" in l for l in matches)
     assert any('subprocess.run(["which", "nvcc"]' in l for l in matches)
@@ -64,7 +71,7 @@ def test_verify_is_clean_then_detects_a_one_byte_edit(lab, remote_env):
     res = run_invoke("inspect", "--verify", "flashinfer_python", inventory=inv)
     assert res.returncode != 0
     assert "modified" in res.stdout and CPP_EXT in res.stdout
-    assert "lab1 : failed - 1 file(s) differ from RECORD" in res.stdout
+    assert "lab1 : failed - 1 file(s) differ from RECORD" in res.stderr
     # and inspect flags the drift in its header
     res = run_invoke("inspect", "--file", CPP_EXT, "--lines", "1", inventory=inv)
     assert "(MODIFIED since install)" in res.stdout

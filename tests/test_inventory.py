@@ -44,10 +44,10 @@ def test_select_groups_hosts_and_lists():
 @pytest.mark.parametrize("text,message", [
     ("all: [1, 2", "inv.yml: invalid YAML at line"),
     ("hosts: {}", "inv.yml: top-level key 'all' is missing"),
-    ("all: {hosts: {a: {ssh_port: abc}}}", "inv.yml: 'all.hosts.a.ssh_port' must be an integer"),
+    ("all: {hosts: {a: {ssh_port: abc}}}", "inv.yml: all.hosts.a.ssh_port: expected a port 1-65535, got 'abc'"),
     ("all: {children: {g: {hostz: {}}}}", "inv.yml: unknown key 'all.children.g.hostz'"),
     ("all: {hosts: [a, b]}", "inv.yml: 'all.hosts' must be a mapping"),
-    ("all: {hosts: {a: {accept_new_host_keys: maybe}}}", "'all.hosts.a.accept_new_host_keys' must be true or false"),
+    ("all: {hosts: {a: {accept_new_host_keys: maybe}}}", "all.hosts.a.accept_new_host_keys: expected true or false, got 'maybe'"),
 ])
 def test_bad_inventory_is_one_line_naming_file_and_key(text, message):
     with pytest.raises(InventoryError) as err:

@@ -20,8 +20,9 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def state_files(tmp: Path):
-    return list(tmp.glob("state-lab1/patches/*/state.json"))
+def state_files(lab) -> list[Path]:
+    """The venv's patch state: servops keeps it inside the venv (keyed to its real path)."""
+    return [p for p in [Path(lab.venv).resolve() / ".servops" / "state.json"] if p.exists()]
 
 
 def expected_patched(remote_env, tmp_path) -> bytes:
@@ -53,8 +54,16 @@ def test_apply_preflight_revert_verify_clean(lab, remote_env, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "preflight pass" in res.stdout
 
+    # The recorded patch's change is expected, not drift; a hand edit elsewhere is drift.
     res = run_invoke("inspect", "--verify", "flashinfer-python", inventory=inv)
-    assert res.returncode != 0 and CPP_EXT in res.stdout
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"patched by {NAME} (expected)" in res.stdout and CPP_EXT in res.stdout
+    env_py = remote_env["site"] / "flashinfer/jit/env.py"
+    env_py.write_bytes(env_py.read_bytes() + b"# hand edit\n")
+    res = run_invoke("inspect", "--verify", "flashinfer-python,packaging", inventory=inv)
+    assert res.returncode != 0 and "modified (unexpected drift)" in res.stdout and "flashinfer/jit/env.py" in res.stdout
+    assert "packaging" in res.stdout and "lab1 : failed - 1 file(s) differ from RECORD" in res.stderr
+    env_py.write_bytes(remote_env["pristine"]["flashinfer/jit/env.py"])
 
     res = run_invoke("patch.revert", NAME, inventory=inv)
     assert res.returncode == 0, res.stderr
@@ -73,7 +82,7 @@ def test_status_reapply_is_ok_and_state_recorded(lab, remote_env):
     assert " applied" in res.stdout and "not applied" not in res.stdout
     res = run_invoke("patch.apply", NAME, inventory=inv)
     assert res.returncode == 0 and "lab1 : ok - already applied" in res.stdout
-    [state] = state_files(lab.tmp)
+    [state] = state_files(lab)
     record = json.loads(state.read_text())["applied"][NAME]
     assert record["version"] == "0.7.2.post1" and CPP_EXT in record["files"]
     # bytecode refreshed: the .pyc was compiled from the patched source
@@ -90,7 +99,7 @@ def test_dry_run_with_diff_changes_nothing(lab, remote_env):
     assert res.returncode == 0, res.stderr
     assert "would apply (check mode)" in res.stdout
     assert "+def _query_cuda_version() -> Version:" in res.stdout and "--- a/flashinfer/jit/cpp_ext.py" in res.stdout
-    assert sha(target) == before and not state_files(lab.tmp)
+    assert sha(target) == before and not state_files(lab)
     # --check is the Ansible spelling of the same
     res = run_invoke("patch.apply", NAME, "--check", inventory=inv)
     assert res.returncode == 0 and sha(target) == before
@@ -155,7 +164,7 @@ def test_lock_held_refuses_with_holder(lab, remote_env):
     inv = lab.inventory()
     # Learn where the lock lives (status creates nothing); apply+revert once to create it.
     assert run_invoke("patch.apply", NAME, "--dry-run", inventory=inv).returncode == 0
-    [lockfile] = list(lab.tmp.glob("state-lab1/patches/*/lock"))
+    [lockfile] = [Path(lab.venv).resolve() / ".servops" / "lock"]
     target = remote_env["site"] / CPP_EXT
     before = sha(target)
     with open(lockfile, "a+") as fh:

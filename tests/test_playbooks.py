@@ -51,18 +51,18 @@ def test_cycle_and_unknown_variants(tmp_path):
 
 def test_render_quotes_every_value_and_fails_on_missing_vars(tmp_path):
     v = load_variant("piecewise")
-    text = render_launch(HOST, v, "r1", "/d/releases/r1")
+    text = render_launch(HOST, v).script
     assert "--model-path '/models/My Model'" in text and "--tp 8" in text
     assert "export CUDA_HOME=/usr/local/cuda" in text
     root = books(tmp_path, m="server_args: {model-path: '{{ model_pth }}'}\n")
     with pytest.raises(RenderError, match="server_args.model-path: 'model_pth' is undefined"):
-        render_launch(HOST, load_variant("m", root), "r1", "/d")
+        render_launch(HOST, load_variant("m", root)).script
 
 
 def test_injection_in_values_stays_one_word(tmp_path):
     import shlex
     root = books(tmp_path, x="env: {EVIL: '$(touch /tmp/pwned); x'}\nserver_args: {served-model-name: 'a b; rm -rf /'}\n")
-    text = render_launch(HOST, load_variant("x", root), "r1", "/d")
+    text = render_launch(HOST, load_variant("x", root)).script
     line = next(l for l in text.splitlines() if l.startswith("exec "))
     assert shlex.split(line)[-2:] == ["--served-model-name", "a b; rm -rf /"]
     assert "export EVIL='$(touch /tmp/pwned); x'" in text
@@ -73,19 +73,21 @@ def test_server_argv():
         ["--tp", "8", "--flag", "--many", "1", "2"]
 
 
-def test_secrets_masked_in_rendered_output(tmp_path):
+def test_secrets_go_to_a_file_never_into_the_script(tmp_path):
     host = parse_inventory("all: {hosts: {h: {venv: /v, server_port: 1, model_path: m, tp: 1, "
                            "env: {HF_TOKEN: hf_secretvalue123}}}}", "i.yml").hosts["h"]
-    text = render_launch(host, load_variant("baseline"), "r", "/d")
-    assert "hf_secretvalue123" in text  # the host needs it
-    assert "hf_secretvalue123" not in Redactor.for_host(host)(text)
+    launch = render_launch(host, load_variant("baseline"))
+    # the host needs it, from the 0600 secrets file the script sources; never inline in the script
+    assert "hf_secretvalue123" not in launch.script and "set -a; . ./secrets.env; set +a" in launch.script
+    assert launch.secrets_file() == "HF_TOKEN=hf_secretvalue123\n" and "HF_TOKEN" not in launch.env
+    assert "hf_secretvalue123" not in Redactor.for_host(host)(launch.secrets_file())
 
 
 def test_home_relative_venv_still_expands_on_the_host(tmp_path):
     import subprocess
     host = parse_inventory("all: {hosts: {h: {venv: '~/lab venv', server_port: 1, model_path: m, tp: 1}}}",
                            "i.yml").hosts["h"]
-    text = render_launch(host, load_variant("baseline"), "r", "/d")
+    text = render_launch(host, load_variant("baseline")).script
     line = next(l for l in text.splitlines() if l.startswith("exec "))
     assert line.startswith("exec \"$HOME\"/'lab venv/bin/python' -m sglang.launch_server")
     interpreter = line[len("exec "):].split(" -m ")[0]

@@ -47,7 +47,7 @@ def test_connect_refused_and_timeout_are_one_line(lab, tmp_path):
 
 
 def test_wrong_key_is_an_auth_error(lab, tmp_path):
-    from harness.sshd import keygen
+    from servops.lab.sshd import keygen
     other = keygen(tmp_path / "other_key")
     inv = lab.inventory(group_vars={"ssh_key": str(other)})
     res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
@@ -56,5 +56,5 @@ def test_wrong_key_is_an_auth_error(lab, tmp_path):
 
 def test_secrets_never_reach_the_output(lab):
     inv = lab.inventory(group_vars={"env": {"HF_TOKEN": "hf_TOPSECRET123", "CUDA_HOME": str(lab.cuda_home())}})
-    res = run_invoke("render", "--variant", "baseline", "--host", "lab1", inventory=inv)
-    assert res.returncode == 0 and "HF_TOKEN=***" in res.stdout and "hf_TOPSECRET123" not in res.stdout
+    res = run_invoke("render", "--variant", "baseline", "-H", "lab1", inventory=inv)
+    assert res.returncode == 0 and ". ./secrets.env" in res.stdout and "hf_TOPSECRET123" not in res.stdout

@@ -3,14 +3,26 @@
 Each program is `_common.py` followed by its own file, preceded by its arguments as a JSON
 string literal; it prints one JSON object as its last stdout line (progress lines before it are
 JSON too). A refusal prints {"error": ...} and exits 3.
+
+Environment variables a program needs (an inventory `env`, a token) travel on stdin too: a
+small launcher sets them and runs the program in a child python, so they are never on a
+command line (`ps`) and the program sees them from its first import.
 """
 
+import json
 from functools import cache
 from pathlib import Path
+from typing import Mapping
 
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
-_INCLUDES = {"diagnose_ctx": ["tracebacks"]}
+_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"]}
+
+_LAUNCHER = """\
+import os, subprocess, sys
+os.environ.update(_SERVOPS_ENV)
+sys.exit(subprocess.run([sys.executable, "-"], input=_SERVOPS_PROGRAM.encode()).returncode)
+"""
 
 
 @cache
@@ -19,8 +31,13 @@ def program(name: str) -> str:
     return "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text() for p in parts)
 
 
-def with_args(name: str, args) -> str:
-    import json
-
+def with_args(name: str, args, env: Mapping[str, str] | None = None) -> str:
     # A JSON string literal is also a valid Python string literal.
-    return "_SERVOPS_ARGS = " + json.dumps(json.dumps(args, sort_keys=True)) + "\n" + program(name)
+    text = "_SERVOPS_ARGS = " + json.dumps(json.dumps(args, sort_keys=True)) + "\n" + program(name)
+    return with_env(text, env) if env else text
+
+
+def with_env(text: str, env: Mapping[str, str]) -> str:
+    """`text` run by a launcher that first sets `env` (both travel on stdin)."""
+    return (f"_SERVOPS_ENV = {json.dumps({str(k): str(v) for k, v in env.items()})}\n"
+            f"_SERVOPS_PROGRAM = {json.dumps(text)}\n" + _LAUNCHER)

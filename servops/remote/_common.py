@@ -142,3 +142,46 @@ def file_hash(path):
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+
+
+def sha_bytes(data):
+    """Content hash as patch state records it (None for an absent file)."""
+    return None if data is None else "sha256=" + hashlib.sha256(data).hexdigest()
+
+
+def sha256_hex(path):
+    try:
+        with open(path, "rb") as fh:
+            return sha_bytes(fh.read())
+    except OSError:
+        return None
+
+
+def patch_state_root():
+    """Where this python's patch state lives, keyed to the environment's REAL path, not to any
+    inventory setting: inside the venv itself (shared by every inventory entry and operator that
+    uses it), or for a python outside a venv, under ~/.servops/venvs/<hash of its site-packages>."""
+    if sys.prefix != getattr(sys, "base_prefix", sys.prefix):
+        return os.path.join(os.path.realpath(sys.prefix), ".servops")
+    site = site_dirs()[0]
+    return os.path.join(os.path.expanduser("~/.servops/venvs"), hashlib.sha256(site.encode()).hexdigest()[:16])
+
+
+def load_patch_state(root=None):
+    try:
+        with open(os.path.join(root or patch_state_root(), "state.json")) as fh:
+            state = json.load(fh)
+        if isinstance(state, dict) and isinstance(state.get("applied"), dict):
+            return state
+    except (OSError, ValueError):
+        pass
+    return {"version": 2, "applied": {}}
+
+
+def patched_files(site=None):
+    """rel path -> (servops patch name, hash the patch left the file with), per the patch state."""
+    out = {}
+    for name, rec in load_patch_state()["applied"].items():
+        for rel, hashes in (rec.get("files") or {}).items():
+            out[rel] = (name, hashes.get("after"))
+    return out

@@ -16,7 +16,7 @@ def now_iso():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def write_atomic(path, text, mode=0o644):
+def write_atomic(path, text, mode=0o600):
     tmp = "%s.tmp-%d" % (path, os.getpid())
     with open(tmp, "w") as fh:
         fh.write(text)
@@ -81,7 +81,7 @@ def list_releases():
 
 
 def op_lock():
-    os.makedirs(ROOT, exist_ok=True)
+    os.makedirs(ROOT, mode=0o700, exist_ok=True)
     owner = dict(ARGS["owner"], acquired_at=now_iso())
     for _ in range(2):
         try:
@@ -118,20 +118,19 @@ def op_releases():
 
 
 def op_prepare():
-    os.makedirs(RELEASES, exist_ok=True)
+    os.makedirs(RELEASES, mode=0o700, exist_ok=True)
     base = ARGS["name"]
     name, n = base, 1
     while True:
         try:
-            os.mkdir(os.path.join(RELEASES, name))
+            os.mkdir(os.path.join(RELEASES, name), 0o700)
             break
         except FileExistsError:
             n += 1
             name = "%s-%d" % (base, n)
     d = os.path.join(RELEASES, name)
     for rel, spec in ARGS["files"].items():
-        text = spec["text"].replace("@@RELEASE_NAME@@", name).replace("@@RELEASE_DIR@@", d)
-        write_atomic(os.path.join(d, rel), text, spec.get("mode", 0o644))
+        write_atomic(os.path.join(d, rel), spec["text"], spec.get("mode", 0o600))
     return {"name": name, "dir": d}
 
 
@@ -215,7 +214,7 @@ def op_start():
         fail("a server is still running (pid %d); stop it first" % server_proc()["pid"])
     d = os.path.join(RELEASES, ARGS["name"])
     log_path = os.path.join(d, "server.log")
-    log = open(log_path, "ab")
+    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     # A new session: the server outlives this SSH channel and is signalled as one group.
     proc = subprocess.Popen(["bash", os.path.join(d, "launch.sh")], cwd=d, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)

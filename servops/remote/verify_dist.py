@@ -1,9 +1,10 @@
-def main():
-    meta = find_dist(ARGS["dist"])
+def verify(dist):
+    meta = find_dist(dist)
     if meta is None:
-        fail("distribution %r is not installed in %s" % (ARGS["dist"], sys.executable))
+        fail("distribution %r is not installed in %s" % (dist, sys.executable))
     site = meta["site"]
-    modified, missing, checked = [], [], 0
+    expected_patches = patched_files(site)
+    modified, missing, patched, checked = [], [], [], 0
     for row in record_rows(meta["dist_info"]):
         rel = row[0]
         expected = row[1] if len(row) > 1 else ""
@@ -13,10 +14,18 @@ def main():
         checked += 1
         if not os.path.exists(path):
             missing.append(rel)
-        elif file_hash(path) != expected:
+            continue
+        actual = file_hash(path)
+        if actual == expected:
+            continue
+        by = expected_patches.get(rel)
+        # A file an applied, recorded patch changed is expected, if it holds exactly what the patch wrote.
+        if by and sha256_hex(path) == by[1]:
+            patched.append({"file": rel, "patch": by[0]})
+        else:
             modified.append(rel)
-    reply({"site": site_dirs(), "name": meta["name"], "version": meta["version"], "checked": checked,
-           "modified": modified, "missing": missing})
+    return {"name": meta["name"], "version": meta["version"], "checked": checked, "modified": modified,
+            "missing": missing, "patched": patched}
 
 
-main()
+reply({"site": site_dirs(), "dists": [verify(d) for d in ARGS["dists"]]})

@@ -17,7 +17,7 @@ from pathlib import Path
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 # CPU torch: the preflight and the server double really run dynamo. apache-tvm-ffi is what
 # flashinfer/jit/cpp_ext.py imports at module level; packaging provides Version.
-# aiohttp and prometheus-client serve the SGLang test double (tests/double/sglang_double.py).
+# aiohttp and prometheus-client serve the SGLang test double (servops/lab/sglang_double.py).
 BASE_REQUIREMENTS = ["torch==2.13.0", "apache-tvm-ffi>=0.1.11,<0.2", "packaging>=24.2", "numpy",
                      "aiohttp>=3.9", "prometheus-client>=0.20"]
 

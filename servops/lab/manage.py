@@ -1,0 +1,135 @@
+"""`invoke lab.up` / `lab.down`: the lab of inventory/lab.yml on this machine.
+
+Real sshd servers on the inventory's loopback addresses (keys and known_hosts under
+~/.servops-lab), and the same real venv the tests use (CPU torch + flashinfer-python) linked at
+~/.servops-lab/venv. /tmp/servops-lab-cuda stands in for a CUDA toolkit (its version.json only).
+
+The lab keeps its OWN record of each sshd it started (`lab.json`: pid and kernel start time),
+apart from sshd's PidFile, which sshd itself writes and deletes: stopping reads only the lab's
+records, checks the start time against pid reuse, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from ..inventory import Host
+from . import venvs
+from .sshd import SshServer, keygen
+
+LAB = Path(os.environ.get("SERVOPS_LAB_HOME") or Path.home() / ".servops-lab")
+CUDA_STANDIN = Path("/tmp/servops-lab-cuda")
+CUDA_VERSION_JSON = '{"cuda": {"name": "CUDA SDK", "version": "12.9.1"}}'
+
+
+def proc_starttime(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _record_path(address: str, port: int) -> Path:
+    return LAB / f"sshd-{address}-{port}" / "lab.json"
+
+
+def _running(record: Path) -> dict | None:
+    """The process a lab record names, if that very process still runs."""
+    try:
+        info = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    if proc_starttime(int(info.get("pid", 0))) != info.get("starttime"):
+        return None
+    return info
+
+
+def up(hosts: list[Host]) -> list[str]:
+    """Start sshd for each lab host that is not already up; returns the addresses started."""
+    LAB.mkdir(mode=0o700, exist_ok=True)
+    key = LAB / "id_ed25519"
+    if not key.exists():
+        keygen(key)
+    venv = LAB / "venv"
+    if not venv.exists():
+        venv.symlink_to(venvs.build_venv())
+    CUDA_STANDIN.mkdir(exist_ok=True)
+    (CUDA_STANDIN / "version.json").write_text(CUDA_VERSION_JSON)
+    known, started = {}, []
+    for host in hosts:
+        address, port = host.ssh_host, host.ssh_port
+        work = _record_path(address, port).parent
+        work.mkdir(mode=0o700, exist_ok=True)
+        if not (work / "ssh_host_ed25519_key").exists():
+            keygen(work / "ssh_host_ed25519_key")
+        (work / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
+        srv = SshServer(address, port, work, work / "ssh_host_ed25519_key", key, getpass.getuser())
+        if not _running(work / "lab.json"):
+            srv.start()
+            pid = srv.proc.pid
+            tmp = work / "lab.json.tmp"
+            tmp.write_text(json.dumps({"pid": pid, "starttime": proc_starttime(pid), "address": address,
+                                       "port": port}))
+            tmp.replace(work / "lab.json")
+            srv.proc = None  # keep it running after this process exits
+            started.append(f"{address}:{port}")
+        known[f"{address}:{port}"] = srv.known_hosts_line
+    # Keep entries of lab hosts started earlier (another -H selection) in known_hosts.
+    kh = LAB / "known_hosts"
+    for line in (kh.read_text().splitlines(True) if kh.exists() else []):
+        addr = line.split(" ", 1)[0].strip("[").replace("]:", ":")
+        known.setdefault(addr, line)
+    kh.write_text("".join(known.values()))
+    return started
+
+
+def _stop_pid(pid: int, starttime: str | None, group: bool = False, grace: float = 10.0) -> bool:
+    """SIGTERM (then SIGKILL) a process we recorded; False if it was no longer running."""
+    if proc_starttime(pid) is None or (starttime and proc_starttime(pid) != starttime):
+        return False
+    kill = os.killpg if group else os.kill
+    try:
+        kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and proc_starttime(pid) == starttime:
+        time.sleep(0.05)
+    if proc_starttime(pid) == starttime:
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return True
+
+
+def down(hosts: list[Host]) -> tuple[list[str], list[str]]:
+    """Stop the lab hosts' servers (from each host's deploy_root pidfile), then their sshd.
+
+    Returns (servers stopped, sshd stopped). Safe to run any number of times.
+    """
+    servers, sshds = [], []
+    for host in hosts:
+        root = Path(os.path.expanduser(str(host.get("deploy_root") or "~/.servops/deploy")))
+        pidfile = root / "server.pid"
+        try:
+            info = json.loads(pidfile.read_text())
+        except (OSError, ValueError):
+            info = None
+        if info and _stop_pid(int(info["pid"]), info.get("starttime"), group=True):
+            servers.append(f"{host.name} pid {info['pid']}")
+        if info:
+            pidfile.unlink(missing_ok=True)
+        record = _record_path(host.ssh_host, host.ssh_port)
+        running = _running(record)
+        if running and _stop_pid(int(running["pid"]), running["starttime"]):
+            sshds.append(f"{host.ssh_host}:{host.ssh_port}")
+        record.unlink(missing_ok=True)
+    return servers, sshds

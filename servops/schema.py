@@ -1,0 +1,172 @@
+"""A small schema layer for what users write: inventory vars, variants, patch metadata.
+
+Each field declares its type and limits once; `check` turns the first violation into one line
+naming the file and the key (`inventory/lab.yml: all.children.lab.vars.ssh_port: expected an
+integer 1-65535, got 'abc'`). Values that later reach a shell or a script (names, paths,
+hosts) are held to patterns that cannot break out of quoting or comments.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ServopsError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")          # hosts, groups, variants, patches
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")           # POSIX shell variable names
+FLAG = re.compile(r"-{0,2}[A-Za-z0-9][A-Za-z0-9_.-]*")     # server_args keys
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+HOSTNAME = re.compile(r"[A-Za-z0-9_.:%\[\]-]+")           # DNS names, IPv4/IPv6 literals
+USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?")
+JUMP = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9_.:\[\]-]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class SchemaError(ServopsError):
+    pass
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: str                      # int, number, bool, str, name, path, list, map, any
+    low: float | None = None
+    high: float | None = None
+    pattern: re.Pattern | None = None
+    what: str = ""                 # words for the error ("a port 1-65535")
+    items: "Field | None" = None   # list items / map values
+    keys: re.Pattern | None = None  # map keys
+    keys_what: str = ""
+    nullable: bool = False
+    check: Callable[[Any], str | None] | None = None  # extra rule: returns an error or None
+
+
+def _describe(f: Field) -> str:
+    if f.what:
+        return f.what
+    rng = ""
+    if f.low is not None and f.high is not None:
+        rng = f" {f.low:g}-{f.high:g}"
+    elif f.low is not None:
+        rng = f" >= {f.low:g}"
+    return {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a single-line string",
+            "path": "a path", "name": "a name", "list": "a list", "map": "a mapping"}.get(f.kind, "a value") + rng
+
+
+def coerce(value: Any, f: Field, where: str) -> Any:
+    """The value, converted where YAML left a number as text ('30'); raises SchemaError."""
+    if value is None:
+        if f.nullable:
+            return None
+        raise SchemaError(f"{where}: expected {_describe(f)}, got nothing")
+    bad = SchemaError(f"{where}: expected {_describe(f)}, got {value!r}")
+    if f.kind in ("int", "number"):
+        if isinstance(value, bool):
+            raise bad
+        try:
+            number = int(value) if f.kind == "int" else float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if f.kind == "int" and isinstance(value, float) and value != int(value):
+            raise bad
+        if number != number or number in (float("inf"), float("-inf")):
+            raise bad
+        if (f.low is not None and number < f.low) or (f.high is not None and number > f.high):
+            raise bad
+        value = number
+    elif f.kind == "bool":
+        if not isinstance(value, bool):
+            raise bad
+    elif f.kind in ("str", "name", "path"):
+        if isinstance(value, bool) or isinstance(value, (list, dict)):
+            raise bad
+        value = str(value)
+        if _CONTROL.search(value) or (f.kind == "path" and not value):
+            raise SchemaError(f"{where}: {value!r} contains a newline or control character" if value
+                              else f"{where}: expected {_describe(f)}, got an empty string")
+        if f.pattern is not None and not f.pattern.fullmatch(value):
+            raise bad
+    elif f.kind == "list":
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise bad
+        value = [coerce(v, f.items, f"{where}[{i}]") if f.items else v for i, v in enumerate(value)]
+    elif f.kind == "map":
+        if not isinstance(value, dict):
+            raise bad
+        out = {}
+        for k, v in value.items():
+            key = str(k)
+            if f.keys is not None and not f.keys.fullmatch(key):
+                raise SchemaError(f"{where}: key {key!r} is not {f.keys_what or 'a valid key'}")
+            out[key] = coerce(v, f.items, f"{where}.{key}") if f.items else v
+        value = out
+    if f.check is not None:
+        problem = f.check(value)
+        if problem:
+            raise SchemaError(f"{where}: {problem}")
+    return value
+
+
+def check_mapping(data: dict, fields: dict[str, Field], where: str, allow_unknown: bool = False) -> dict:
+    """Validate and convert every known key; unknown keys are an error unless allowed."""
+    out = {}
+    for key, value in data.items():
+        key = str(key)
+        f = fields.get(key)
+        if f is None:
+            if not allow_unknown:
+                raise SchemaError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
+            out[key] = value
+            continue
+        out[key] = coerce(value, f, f"{where}.{key}" if where else key)
+    return out
+
+
+def _scalar(value: Any) -> str | None:
+    if isinstance(value, (dict, list)):
+        return f"expected a single value, got {type(value).__name__}"
+    return None
+
+
+def _scalar_or_list(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "expected a value or a list, got a mapping"
+    return None
+
+
+PORT = Field("int", 1, 65535, what="a port 1-65535")
+POSITIVE = Field("number", low=0.001, what="a number above 0")
+ENV = Field("map", keys=ENV_NAME, keys_what="an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+            items=Field("any", nullable=True, check=_scalar))
+SERVER_ARGS = Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs",
+                    items=Field("any", nullable=True, check=_scalar_or_list))
+
+INVENTORY_VARS = {
+    "ssh_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
+    "ssh_port": PORT,
+    "ssh_user": Field("str", pattern=USER, what="a user name"),
+    "ssh_key": Field("path"),
+    "known_hosts": Field("path"),
+    "accept_new_host_keys": Field("bool"),
+    "proxy_jump": Field("str", pattern=JUMP, what="an inventory host or [user@]host[:port]"),
+    "venv": Field("path"),
+    "python": Field("path"),
+    "server_port": PORT,
+    "server_module": Field("str", pattern=MODULE, what="a Python module name like sglang.launch_server"),
+    "server_files": Field("list", items=Field("path")),
+    "model_path": Field("path"),
+    "tp": Field("int", 1, 1024),
+    "env": ENV,
+    "connect_timeout": POSITIVE,
+    "command_timeout": POSITIVE,
+    "health_timeout": POSITIVE,
+    "lease_timeout": Field("number", low=5, what="a number of seconds >= 5"),
+    "deploy_root": Field("path"),
+    "keep_releases": Field("int", 1),
+    "lock_stale_after": POSITIVE,
+    "dist_init_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
+    "dist_init_port": PORT,
+    "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
+}
+INT_VARS = tuple(k for k, f in INVENTORY_VARS.items() if f.kind == "int")
