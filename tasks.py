@@ -81,7 +81,8 @@ def patch_status(c, name="", hosts=None, inventory=None):
 _PATCH_HELP = {
     "name": "Patch name (file stem under patches/<distribution>/), or DIST/NAME.",
     "force": "Apply even if the installed version is outside the patch's applies_to.",
-    "lock_timeout": "Seconds to wait for another patch operation on the same venv.",
+    "lock_timeout": "Seconds to wait for another operation (deploy lock, venv patch lock) to finish.",
+    "break_lock": "Take the deploy lock even if another operator holds it.",
 }
 
 
@@ -95,22 +96,38 @@ def _patch_change(inventory, hosts, action, show_diff):
     return run.recap
 
 
+def _locked(hs, action, dry_run, break_lock, lock_timeout, change):
+    """A patch verb changes the host: it takes the deploy lock (never mid-deploy), waiting up to
+    --lock-timeout for another holder; check mode takes none."""
+    from servops.deploylock import host_lock
+
+    if dry_run:
+        return change()
+    with host_lock(hs, action, break_lock, wait=lock_timeout):
+        return change()
+
+
 @servops_task(name="apply", positional=["name"], help=_PATCH_HELP)
-def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30, hosts=None, inventory=None):
+def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30, break_lock=False, hosts=None,
+                inventory=None):
     """Apply a versioned patch to site-packages: atomic, idempotent, recorded on the host."""
     from servops import patching, patchstore
 
     patch = patchstore.find_patch(name)
-    return _patch_change(inventory, hosts, lambda hs: patching.apply(hs, patch, dry_run, force, lock_timeout), diff)
+    return _patch_change(inventory, hosts, lambda hs: _locked(
+        hs, f"patch.apply {patch.name}", dry_run, break_lock, lock_timeout,
+        lambda: patching.apply(hs, patch, dry_run, force, lock_timeout)), diff)
 
 
 @servops_task(name="revert", positional=["name"], help=_PATCH_HELP)
-def patch_revert(c, name, dry_run=False, diff=False, lock_timeout=30, hosts=None, inventory=None):
+def patch_revert(c, name, dry_run=False, diff=False, lock_timeout=30, break_lock=False, hosts=None, inventory=None):
     """Revert a patch: exact restore from the host's backup, else a reverse patch(1)."""
     from servops import patching, patchstore
 
     patch = patchstore.find_patch(name)
-    return _patch_change(inventory, hosts, lambda hs: patching.revert(hs, patch, dry_run, lock_timeout), diff)
+    return _patch_change(inventory, hosts, lambda hs: _locked(
+        hs, f"patch.revert {patch.name}", dry_run, break_lock, lock_timeout,
+        lambda: patching.revert(hs, patch, dry_run, lock_timeout)), diff)
 
 
 @servops_task(name="create", help={
@@ -176,7 +193,7 @@ _BENCH_HELP = {
 
 @servops_task(help=_DEPLOY_HELP, bounds={"max_fail_percentage": (0, 100)})
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
-           keep=0, gate="", push="", serial=0, max_fail_percentage=0.0, hosts=None, inventory=None):
+           keep=0, gate=None, push=None, serial=0, max_fail_percentage=0.0, hosts=None, inventory=None):
     """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
     from servops import deploy as dep
     from servops.errors import ServopsError
@@ -185,7 +202,7 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
 
     inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
-    conditions = parse_gate(gate) if gate else None
+    conditions = parse_gate(gate) if gate is not None else None  # --gate '' is an error, not "no gate"
     nnodes = int(v.get("nnodes") or 1)
     if len(targets) % nnodes:
         raise ServopsError(f"variant {variant} runs on {nnodes} nodes per server; select a multiple of {nnodes} "
@@ -193,7 +210,7 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
     groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
     return VerbRun(inv, targets).run(lambda nodes: dep.deploy_group(
         nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push or None),
+        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push),
         groups=groups, serial=serial or None, max_fail_percentage=max_fail_percentage).recap
 
 
@@ -329,12 +346,32 @@ def logs(c, lines=100, follow=False, release="", hosts=None, inventory=None):
     return run.recap
 
 
-@servops_task(help={"grace": "Seconds between SIGTERM and SIGKILL (default: the release's stop_grace)."})
-def stop(c, grace=0.0, dry_run=False, hosts=None, inventory=None):
-    """Stop the server (SIGTERM to its process group, SIGKILL after the grace period)."""
+@servops_task(help={"grace": "Seconds between SIGTERM and SIGKILL (default: the release's stop_grace).",
+                    "break_lock": "Stop even if another operator holds the deploy lock."})
+def stop(c, grace=0.0, dry_run=False, break_lock=False, hosts=None, inventory=None):
+    """Stop the server (SIGTERM to its process group, SIGKILL after the grace period); never mid-deploy."""
+    from servops import deploy as dep
+
+    return on_hosts(inventory, hosts, lambda hs: dep.stop(hs, grace or None, dry_run, break_lock)).recap
+
+
+@servops_task(help={"json": "Print JSON lines for machines.", "last": "Only the last N entries (default: all)."})
+def history(c, json=False, last=0, hosts=None, inventory=None):
+    """Every change servops made to each host (deploys, rollbacks, patches, stops, guard actions), from
+    the append-only journal on the host: who, when, what, outcome."""
+    import json as jsonlib
+
     from servops import ops
 
-    return on_hosts(inventory, hosts, lambda hs: ops.stop(hs, grace or None, dry_run)).recap
+    run = on_hosts(inventory, hosts, lambda hs: ops.history(hs, last))
+    run.recap.machine_output = json
+    for h, entries in run.each():
+        if json:
+            for e in entries:
+                print(jsonlib.dumps(dict(e, host=h.name), sort_keys=True))
+        else:
+            ops.print_history(h.name, entries)
+    return run.recap
 
 
 @servops_task(name="releases")
@@ -409,4 +446,4 @@ def lab_down(c, hosts=None, inventory=None):
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
 ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare,
-                diagnose, patch_ns)
+                diagnose, history, patch_ns)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 from invoke import Exit, Task
 from invoke.parser.context import ParserContext
 
+from . import interrupt
 from .errors import ServopsError
 from .inventory import Host, Inventory, load_inventory
 from .output import Recap, err_console
@@ -121,8 +122,13 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
             except ServopsError as exc:
                 err_console.print(f"error: {exc}", markup=False, highlight=False, style="bold red")
                 raise Exit(code=exc.exit_code) from None
+            except KeyboardInterrupt:
+                err_console.print("interrupted", markup=False)
+                raise Exit(code=130) from None
             if isinstance(result, Recap):
                 result.render()
+                if interrupt.requested():
+                    raise Exit(code=130)
                 if result.failed:
                     raise Exit(code=result.exit_code)
                 return None

@@ -1,31 +1,38 @@
 """deploy / rollback: release, patch set, health-gated restart, automatic rollback.
 
-Order on the host, under the deploy lock:
-  port check -> new release dir (launch.sh, variant.yml, release.json, server files)
-  -> patch set -> stop old server -> switch `current` -> start -> health gate
-  -> healthy: keep, prune old releases | failed: excerpt, roll back to the previous good release.
+Order, per server (one host, or the nodes of a multi-node server, rank 0 first):
+  validate everything that needs no host            (bad input: one line, host untouched)
+  launch preflight + patch plan, read-only          (a bad flag is refused before anything stops)
+  -- lock --
+  new release dir (0700: launch.sh, secrets.env, variant.yml, release.json) -> patch set
+     (a failure or Ctrl-C here undoes the patches and removes the release: nothing changed)
+  -- the point of no return: the old server stops --
+  stop -> switch `current` -> start (+ host guard) -> health gate -> metric gate
+  healthy: mark, prune  |  anything else (failure, exception, Ctrl-C): mark, roll back
+  -- unlock --
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
 
-from . import patching, patchstore, releases
-from .deploylock import deploy_lock
+from . import interrupt, patchplan, releases
+from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
+from .deploylock import host_lock
 from .errors import ServopsError
-from .health import health_gate
 from .output import CHANGED, FAILED, console, err_console
 from .playbooks import load_variant
-from .provenance import REPO, git_sha
+from .progress import Phases
+from .provenance import REPO, git_sha, operator
 from .redact import secret_values
-from .render import render_launch
+from .render import Launch, render_launch
 from .transport import HostSession
+
 
 class DeployError(ServopsError):
     pass
@@ -35,114 +42,11 @@ def server_port(hs: HostSession) -> int:
     return int(hs.host.require("server_port"))
 
 
-def plan_patches(hs: HostSession, wanted: list[str]) -> list[tuple[str, patchstore.Patch]]:
-    """(action, patch) pairs that make the applied set equal `wanted` (servops-applied only)."""
-    store = {p.name: p for p in patchstore.all_patches()}
-    missing = [n for n in wanted if n not in store]
-    if missing:
-        raise DeployError(f"variant needs patch {missing[0]!r}, which is not under {patchstore.PATCH_ROOT}/")
-    actions = []
-    for row in patching.status(hs, list(store.values())):
-        name = row["patch"]
-        if name in wanted and row["state"] != patching.APPLIED:
-            if row["state"] in (patching.CONFLICTS, patching.NOT_INSTALLED, patching.MISMATCH):
-                raise DeployError(f"{hs.host.name}: required patch {name} is {row['state']} "
-                                  f"({row['dist']} {row['version'] or '-'}); see invoke patch.status")
-            actions.append(("apply", store[name]))
-        elif name not in wanted and row["state"] == patching.APPLIED and row["recorded"]:
-            actions.append(("revert", store[name]))
-    return actions
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def sync_patches(hs: HostSession, wanted: list[str], show_diff: bool = False) -> list[str]:
-    done = []
-    for action, patch in plan_patches(hs, wanted):
-        res = patching.apply(hs, patch) if action == "apply" else patching.revert(hs, patch)
-        if res["status"] == CHANGED:
-            done.append(f"{action} {patch.name}")
-            if show_diff:
-                patching.print_diff(hs.host.name, res["diff"])
-    return done
-
-
-def _files_for_release(hs: HostSession, variant: dict, launch, patches: list[str]) -> dict:
-    record = {
-        "variant": variant["name"], "chain": variant["chain"], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "patches": patches, "status": "deploying", "servops_git": git_sha(), "port": server_port(hs),
-        "health": variant["health"], "crash_signatures": variant["crash_signatures"],
-        "stop_grace": variant.get("stop_grace", 30), "deployed_by": os.environ.get("USER", "unknown"),
-    }
-    shown = {k: v for k, v in variant.items() if k not in ("chain",)}
-    files = {
-        "launch.sh": {"text": launch.script, "mode": 0o700},
-        "variant.yml": {"text": hs.redactor(yaml.safe_dump(shown, sort_keys=False))},
-        "release.json": {"text": json.dumps(record, indent=1, sort_keys=True)},
-    }
-    if launch.secret_env:
-        files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
-    return files
-
-
-def _server_files(hs: HostSession) -> dict:
-    """Local files the release carries (e.g. the test double), sent with the release itself."""
-    files = {}
-    for local in hs.host.get("server_files") or []:
-        path = Path(local) if Path(local).is_absolute() else REPO / local
-        if not path.is_file():
-            raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
-        files[path.name] = {"text": path.read_text()}
-    return files
-
-
-DEFAULT_SIGNATURES = [r"torch\._dynamo\.exc\.Unsupported", r"CUDA out of memory"]
-
-
-def _bring_up(nodes: list[tuple[HostSession, str, dict]], label: str) -> dict:
-    """Stop what runs, point `current` at each node's release, start rank 0 first, health-gate rank 0.
-
-    nodes: (session, release name, release meta), rank 0 first. The other ranks of a multi-node
-    server have no HTTP endpoint of their own: they must merely still be running.
-    """
-    def stop_and_switch(hs, name, meta):
-        grace = float(meta.get("stop_grace", 30))
-        return [{"op": "stop", "grace": grace}, {"op": "switch", "name": name}], int(grace) + 60
-
-    if len(nodes) == 1:
-        hs, name, meta = nodes[0]
-        steps, timeout = stop_and_switch(hs, name, meta)
-        releases.batch(hs, *steps, {"op": "start", "name": name, "port": int(meta["port"])}, ssh_timeout=timeout)
-    else:
-        for hs, name, meta in nodes:
-            steps, timeout = stop_and_switch(hs, name, meta)
-            releases.batch(hs, *steps, ssh_timeout=timeout)
-        for hs, name, meta in nodes:  # rank 0 first
-            releases.start(hs, name, int(meta["port"]))
-    hs0, name0, meta0 = nodes[0]
-    signatures = list(dict.fromkeys(list(meta0.get("crash_signatures") or []) + DEFAULT_SIGNATURES))
-    outcome = health_gate(hs0, name0, int(meta0["port"]), meta0.get("health") or {}, signatures, label)
-    if outcome["state"] == "healthy":
-        for hs, name, _meta in nodes[1:]:
-            if not releases.ctl(hs, "status")["server"]:
-                return {"state": "crashed", "reason": f"rank on {hs.host.name} exited", "elapsed": outcome["elapsed"],
-                        "excerpt": releases.ctl(hs, "logs", name=name, lines=30)["lines"]}
-    return outcome
-
-
-def render_for_host(hs: HostSession, variant: dict):
-    return render_launch(hs.host, variant)
-
-
-def render_preview(hs: HostSession, variant: dict) -> str:
-    """The launch script exactly as deploy would write it on this host."""
-    return render_for_host(hs, variant).script
-
-
-def _check_port(hs: HostSession, res: dict) -> None:
-    port = server_port(hs)
-    if res["busy"] and not res["ours"]:
-        raise DeployError(f"{hs.host.name}: port {port} is already in use by a process servops did not start; "
-                          f"free it or change server_port")
-
+# ---- what a variant becomes on one host ------------------------------------------------------
 
 def node_args(variant: dict, nodes: list[HostSession]) -> list[dict]:
     """Per-node server_args for a multi-node variant: --nnodes, --node-rank, --dist-init-addr."""
@@ -156,7 +60,7 @@ def node_args(variant: dict, nodes: list[HostSession]) -> list[dict]:
     return [{"nnodes": nnodes, "node-rank": rank, "dist-init-addr": addr} for rank in range(nnodes)]
 
 
-def _with_args(variant: dict, extra: dict) -> dict:
+def with_args(variant: dict, extra: dict) -> dict:
     if not extra:
         return variant
     out = dict(variant)
@@ -164,9 +68,70 @@ def _with_args(variant: dict, extra: dict) -> dict:
     return out
 
 
-def deploy(hs: HostSession, variant_name: str, **kwargs) -> tuple[str, str]:
-    return deploy_group([hs], variant_name, **kwargs)
+def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch]:
+    """Read-only: the variant as it applies to this host, and what it renders to."""
+    return variant, render_launch(hs.host, variant)
 
+
+def render_preview(hs: HostSession, variant: dict) -> str:
+    """The launch script exactly as deploy would write it on this host."""
+    resolved, launch = preflight(hs, variant)
+    health = resolved.get("health") or {}
+    err_console.print(f"# {hs.host.name}: health gate {health.get('endpoint', '/health')} within "
+                      f"{health_timeout(hs, health):g}s ({'variant' if health.get('timeout') is not None else 'inventory or default'})"
+                      + (f"; secrets from secrets.env: {', '.join(sorted(launch.secret_env))}" if launch.secret_env else ""),
+                      markup=False, highlight=False)
+    return launch.script
+
+
+def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[str]) -> dict:
+    health = dict(variant["health"], timeout=health_timeout(hs, variant["health"]))
+    record = {
+        "variant": variant["name"], "chain": variant["chain"], "created": _now(), "patches": patches,
+        "status": "deploying", "servops_git": git_sha(), "port": server_port(hs), "health": health,
+        "crash_signatures": variant["crash_signatures"], "stop_grace": variant.get("stop_grace", 30),
+        "deployed_by": operator(),
+    }
+    shown = {k: v for k, v in variant.items() if k not in ("chain",)}
+    files = {
+        "launch.sh": {"text": launch.script, "mode": 0o700},
+        # secret values masked: the real ones live only in secrets.env (0600)
+        "variant.yml": {"text": hs.redactor(yaml.safe_dump(shown, sort_keys=False))},
+        "release.json": {"text": json.dumps(record, indent=1, sort_keys=True)},
+    }
+    if launch.secret_env:
+        files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
+    for local in hs.host.get("server_files") or []:  # e.g. the lab's SGLang double
+        path = Path(local) if Path(local).is_absolute() else REPO / local
+        if not path.is_file():
+            raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
+        files[path.name] = {"text": path.read_text()}
+    return files
+
+
+# ---- validation that needs no host -----------------------------------------------------------
+
+def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_url: str | None) -> None:
+    """Everything checkable before any connection: a bad value is one line, nothing touched."""
+    from . import patchstore
+
+    for name in variant["patches"]:
+        patchstore.find_patch(name)
+    if push_url:
+        from .push import validate_url
+
+        validate_url(push_url)
+    if gate:
+        from .gate import validate as validate_gate
+
+        for hs in nodes[:1]:
+            validate_gate(gate, hs.host.name)
+    for hs in nodes:
+        server_port(hs)
+        health_timeout(hs, variant["health"])
+
+
+# ---- deploy ----------------------------------------------------------------------------------
 
 def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool = False, diff: bool = False,
                  no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
@@ -177,63 +142,168 @@ def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool =
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
         hs.redactor.add(secret_values(variant["env"], hs.host.get("secret_vars") or ()))
     wanted = [] if skip_patches else list(variant["patches"])
-    for name in wanted:
-        patchstore.find_patch(name)  # fail before touching the host
+    validate(variant, nodes, gate, push_url)
     per_node = node_args(variant, nodes)
+    phases = Phases(nodes[0].host.name, nodes[0].redactor)
+    phases.step("preflight", f"{variant_name}: launch check and patch plan, read-only")
+    prepared = []
+    for hs, extra in zip(nodes, per_node):
+        resolved, launch = preflight(hs, with_args(variant, extra))
+        prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
     if dry_run:
-        results = [_plan(hs, _with_args(variant, extra), wanted, diff) for hs, extra in zip(nodes, per_node)]
-        return CHANGED, "; ".join(r[1] for r in results)
+        return CHANGED, "; ".join(_plan_text(hs, resolved, launch, actions, diff) for hs, resolved, launch, actions in prepared)
     with ExitStack() as stack:
-        locks = [stack.enter_context(deploy_lock(hs, f"deploy {variant_name}", break_lock, port=server_port(hs)))
-                 for hs in nodes]
+        locks = []
+        for hs in nodes:
+            locks.append(stack.enter_context(host_lock(hs, f"deploy {variant_name}", break_lock, port=server_port(hs))))
+        phases.step("lock", "deploy lock taken" + (f" on {len(nodes)} nodes" if len(nodes) > 1 else ""))
         for hs, lock in zip(nodes, locks):
-            _check_port(hs, lock["port"])
-        prepared, previous = [], {}
-        for hs, lock, extra in zip(nodes, locks, per_node):
-            previous[hs.host.name] = lock["listing"]["current"]
-            prepared.append(_prepare(hs, _with_args(variant, extra), wanted, lock["root"]))
-        patch_changes = sorted({c for hs in nodes for c in sync_patches(hs, wanted, show_diff=diff)})
+            port = lock["port"]
+            if port["busy"] and not port["ours"]:
+                raise DeployError(f"{hs.host.name}: port {server_port(hs)} is already in use by a process servops "
+                                  f"did not start; free it or change server_port")
+        return _deploy_locked(prepared, locks, variant_name, phases, wanted, diff=diff, no_rollback=no_rollback,
+                              keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url)
+
+
+def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, show_diff: bool) -> str:
+    """Check mode: diff against the current release's script, list patch actions."""
+    from . import patching
+
+    state = releases.listing(hs)
+    if show_diff:
+        print_script_diff(hs, state["root"], state["current"], "new release", launch.script)
+        for action, patch in actions:
+            res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
+                   else patching.revert(hs, patch, dry_run=True))
+            patching.print_diff(hs.host.name, res["diff"])
+    summary = ", ".join(f"{a} {p.name}" for a, p in actions)
+    return (f"would deploy {variant['name']} (replacing {state['current'] or 'nothing'})"
+            + (f"; patches: {summary}" if summary else "") + " (check mode)")
+
+
+def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_rollback, keep, gate, bench_opts,
+                   push_url) -> tuple[str, str]:
+    hs0 = prepared[0][0]
+    previous = {hs.host.name: lock["listing"]["current"] for (hs, *_), lock in zip(prepared, locks)}
+    listings = {hs.host.name: lock["listing"] for (hs, *_), lock in zip(prepared, locks)}
+    made: list[tuple[HostSession, str]] = []
+    patch_done: dict[str, list] = {}
+    nodes: list[Node] = []
+    # Before the old server stops, any failure (or Ctrl-C) undoes what was done: nothing changed.
+    try:
+        phases.step("upload", f"new release for {variant_name}")
+        for (hs, resolved, launch, actions), lock in zip(prepared, locks):
+            files = release_files(hs, resolved, launch, wanted)
+            res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files)
+            made.append((hs, res["name"]))
+            nodes.append(Node(hs, res["name"], json.loads(files["release.json"]["text"]), lock["root"]))
+        changes = []
+        for (hs, _resolved, _launch, actions) in prepared:
+            patch_done[hs.host.name] = []
+            if actions:
+                phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
+            changes += patchplan.run(hs, actions, show_diff=diff, done=patch_done[hs.host.name])
         if diff:
-            for (hs, name, _meta), lock in zip(prepared, locks):
-                print_script_diff(hs, lock["root"], previous[hs.host.name], name)
-        hs0, name0, _ = prepared[0]
-        outcome = _bring_up(prepared, f"{hs0.host.name}: {name0}")
-        if outcome["state"] == "healthy" and gate:
-            outcome = _metric_gate(hs0, gate, bench_opts or {}, outcome)
-        if push_url:
-            from .push import push_deploy_event
+            for n in nodes:
+                print_script_diff(n.hs, n.root, previous[n.hs.host.name], n.name)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            interrupt.request()
+        with interrupt.handling():
+            for hs, _resolved, _launch, _actions in prepared:
+                patchplan.undo(hs, patch_done.get(hs.host.name, []))
+            for hs, name in made:
+                releases.ctl(hs, "discard", name=name)
+        if isinstance(exc, KeyboardInterrupt):
+            return FAILED, "interrupted before the server was touched: nothing changed"
+        raise
+    for n in nodes:
+        prev = previous[n.hs.host.name]
+        target = next((r for r in listings[n.hs.host.name]["releases"] if r["name"] == prev), None)
+        n.guard = {"lease_timeout": float(n.hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
+                   "health_timeout": health_timeout(n.hs, n.meta["health"]), "port": n.meta["port"],
+                   "health": n.meta["health"], "signatures": signatures(n.meta),
+                   "stop_grace": n.meta.get("stop_grace", 30), "lock_id": locks[nodes.index(n)]["id"],
+                   "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
+                   "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
+        releases.ctl(n.hs, "journal", entry={"action": "deploy.start", "who": operator(), "release": n.name,
+                                             "variant": variant_name, "previous": prev, "patches": changes})
+    n0 = nodes[0]
+    # The point of no return. From here every failure, exception or Ctrl-C ends in a rollback.
+    try:
+        with LeaseKeeper(nodes, every=max(1.0, nodes[0].guard["lease_timeout"] / 4)):
+            try:
+                outcome = bring_up(nodes, phases, f"{hs0.host.name}: {n0.name}")
+                if outcome["state"] == "healthy" and gate:
+                    phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
+                    outcome = _metric_gate(hs0, gate, bench_opts, outcome)
+                if push_url:
+                    _push_event(push_url, hs0, variant_name, n0.name, outcome)
+            except KeyboardInterrupt:
+                interrupt.request()
+                outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
+            except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
+                outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
+            with interrupt.handling():
+                return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep)
+    except KeyboardInterrupt:  # a second Ctrl-C, during the rollback: leave, say where things stand
+        return FAILED, (f"interrupted during the rollback of {n0.name}; the host may have no server: "
+                        f"run `invoke status -H {hs0.host.name}`, then `invoke rollback -H {hs0.host.name}`")
 
-            push_deploy_event(push_url, hs0.host.name, variant_name, name0, outcome["state"])
+
+def _push_event(url: str, hs: HostSession, variant_name: str, release: str, outcome: dict) -> None:
+    """Part of the deploy: on a healthy release a failed push fails the deploy (and rolls back)."""
+    from .push import push_deploy_event
+
+    try:
+        push_deploy_event(url, hs.host.name, variant_name, release, outcome["state"])
+    except ServopsError as exc:
         if outcome["state"] == "healthy":
-            for hs, name, _meta in prepared:
-                releases.batch(hs, {"op": "mark", "name": name,
-                                    "fields": {"status": "healthy", "healthy_at": _now(), "previous": previous[hs.host.name]}},
-                               {"op": "prune", "keep": int(keep or hs.host.get("keep_releases", 5)),
-                                "protect": previous[hs.host.name]})
-            extra_msg = f"; patches: {', '.join(patch_changes)}" if patch_changes else ""
-            ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
-            return CHANGED, f"deployed {name0}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra_msg}"
-        for hs, name, _meta in prepared:
-            releases.mark(hs, name, status="failed", failure=outcome["reason"])
-        _report_failure(hs0, name0, outcome)
-        if no_rollback:
-            return FAILED, f"{name0} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is)"
-        back = _rollback_locked(nodes, to=None, failed=[name for _hs, name, _m in prepared])
-        return FAILED, f"{name0} {outcome['state']}: {outcome['reason']}; {back}"
+            raise
+        err_console.print(f"{hs.host.name}: {exc}", markup=False)
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: str, previous: dict,
+              changes: list[str], no_rollback: bool, keep: int | None) -> tuple[str, str]:
+    n0 = nodes[0]
+    hs0 = n0.hs
+    if outcome["state"] == "healthy":
+        for n in nodes:
+            prev = previous[n.hs.host.name]
+            releases.batch(n.hs, {"op": "mark", "name": n.name,
+                                  "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
+                                  "journal": {"action": "deploy", "who": operator(), "release": n.name,
+                                              "variant": variant_name, "outcome": "healthy",
+                                              "detail": outcome["reason"], "previous": prev}},
+                           {"op": "disarm", "name": n.name},
+                           {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
+        extra = f"; patches: {', '.join(changes)}" if changes else ""
+        ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
+        phases.step("done", f"{n0.name} healthy in {outcome['elapsed']:.1f}s")
+        _summary(hs0, f"Deployed {n0.name}{ranks}: {outcome['reason']} after {outcome['elapsed']:.1f}s"
+                      f"{extra}. The previous release {previous[hs0.host.name] or '(none)'} stays for "
+                      f"`invoke rollback -H {hs0.host.name}`.")
+        return CHANGED, f"deployed {n0.name}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra}"
+    status = "interrupted" if outcome["state"] == "interrupted" else "failed"
+    for n in nodes:
+        releases.ctl(n.hs, "mark", name=n.name, fields={"status": status, "failure": outcome["reason"]},
+                     journal={"action": "deploy", "who": operator(), "release": n.name, "variant": variant_name,
+                              "outcome": status, "detail": outcome["reason"]})
+    report_failure(hs0, n0.name, outcome)
+    hint = f"; next: invoke diagnose -H {hs0.host.name}"
+    if no_rollback:
+        return FAILED, f"{n0.name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is){hint}"
+    try:
+        back = _rollback_locked([n.hs for n in nodes], to=None, failed=[n.name for n in nodes], phases=phases)
+    except ServopsError as exc:
+        return FAILED, (f"{n0.name} {outcome['state']}: {outcome['reason']}; {exc}; the host has no healthy server: "
+                        f"fix it, then run `invoke rollback -H {hs0.host.name}`{hint}")
+    return FAILED, f"{n0.name} {outcome['state']}: {outcome['reason']}; {back}{hint}"
 
 
-def _prepare(hs: HostSession, variant: dict, wanted: list[str], root: str) -> tuple[HostSession, str, dict]:
-    """A new release dir with its launch script, variant, record and the server files."""
-    base = releases.release_name(variant["name"])
-    launch = render_for_host(hs, variant)
-    files = _files_for_release(hs, variant, launch, wanted)
-    files.update(_server_files(hs))
-    prepared = releases.ctl(hs, "prepare", name=base, files=files)
-    return hs, prepared["name"], json.loads(files["release.json"]["text"])
+def _summary(hs: HostSession, text: str) -> None:
+    console.print(hs.redactor(text), markup=False, highlight=False, style="bold")
 
 
 def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
@@ -252,18 +322,23 @@ def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -
     return {"state": "gate-failed", "reason": f"metric gate failed: {failed}", "elapsed": outcome["elapsed"], "excerpt": []}
 
 
-def _report_failure(hs: HostSession, name: str, outcome: dict) -> None:
-    err_console.print(f"[bold red]{hs.host.name}: release {name} {outcome['state']}[/]: {hs.redactor(outcome['reason'])}")
+def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
+    """The reason, a bounded excerpt (the signature line with its context) and the full log's path."""
+    err_console.print(hs.redactor(f"{hs.host.name}: release {name} {outcome['state']}: {outcome['reason']}"),
+                      markup=False, style="bold red")
     if outcome.get("excerpt"):
         err_console.print(f"--- server.log excerpt ({hs.host.name}) ---", markup=False)
         for line in outcome["excerpt"]:
             err_console.print(hs.redactor(line), markup=False, highlight=False)
-        err_console.print("---", markup=False)
+        err_console.print(f"--- full log: {hs.host.name}:{outcome.get('log') or name + '/server.log'}", markup=False)
 
+
+# ---- rollback --------------------------------------------------------------------------------
 
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
-                     show_diff: bool = False) -> str:
+                     show_diff: bool = False, phases: Phases | None = None) -> str:
     """Bring every node back to an earlier release (`to`, or each node's previous healthy one)."""
+    phases = phases or Phases(nodes[0].host.name, nodes[0].redactor)
     targets = []
     for i, hs in enumerate(nodes):
         state = releases.listing(hs)
@@ -281,32 +356,47 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
                         releases.stop(other, 10.0)
                     return "no earlier healthy release to roll back to: server stopped"
                 raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
-        targets.append((hs, target))
-    for hs, target in targets:
-        sync_patches(hs, list(target.get("patches") or []), show_diff=show_diff)
+        targets.append((hs, target, state))
+    phases.step("rollback", f"to {targets[0][1]['name']}")
+    for hs, target, state in targets:
+        wanted = list(target.get("patches") or [])
+        actions = patchplan.plan(hs, wanted)
+        if actions:
+            phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
+        patchplan.run(hs, actions, show_diff=show_diff)
         if show_diff:
-            state = releases.listing(hs)
             print_script_diff(hs, state["root"], state["current"], target["name"])
-    hs0, t0 = targets[0]
-    outcome = _bring_up([(hs, t["name"], t) for hs, t in targets], f"{hs0.host.name}: rollback to {t0['name']}")
+    nodes_up = [Node(hs, t["name"], t, state["root"]) for hs, t, state in targets]
+    hs0, t0, _ = targets[0]
+    outcome = bring_up(nodes_up, phases, f"{hs0.host.name}: rollback to {t0['name']}")
     if outcome["state"] != "healthy":
-        _report_failure(hs0, t0["name"], outcome)
+        report_failure(hs0, t0["name"], outcome)
+        for hs, t, _ in targets:
+            releases.ctl(hs, "journal", entry={"action": "rollback", "who": operator(), "release": t["name"],
+                                               "outcome": "failed", "detail": outcome["reason"]})
         raise DeployError(f"{hs0.host.name}: rollback to {t0['name']} failed too: {outcome['reason']}")
-    for hs, target in targets:
-        releases.mark(hs, target["name"], status="healthy", rolled_back_at=_now())
+    for hs, t, state in targets:
+        releases.ctl(hs, "mark", name=t["name"], fields={"status": "healthy", "rolled_back_at": _now()},
+                     journal={"action": "rollback", "who": operator(), "release": t["name"], "outcome": "healthy",
+                              "from": state["current"], "detail": "automatic" if failed else "requested"})
+    phases.step("done", f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)")
     return f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)"
 
 
 def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, break_lock: bool = False,
              diff: bool = False) -> tuple[str, str]:
+    if to is not None:
+        releases.check_name(to, "--to")
     if dry_run:
+        from . import patching
+
         state = releases.listing(hs)
         target = (next((r for r in state["releases"] if r["name"] == to), None) if to
                   else releases.previous_good(state["releases"], state["current"]))
         if target is None:
             raise DeployError(f"{hs.host.name}: " + (f"no release {to!r}" if to else
                               f"no healthy release before {state['current']} to roll back to"))
-        plan = plan_patches(hs, list(target.get("patches") or []))
+        plan = patchplan.plan(hs, list(target.get("patches") or []))
         if diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
             for action, patch in plan:
@@ -316,31 +406,21 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
         actions = [f"{a} {p.name}" for a, p in plan]
         return CHANGED, (f"would roll back {state['current']} -> {target['name']}"
                          + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)")
-    with deploy_lock(hs, "rollback", break_lock):
-        return CHANGED, _rollback_locked([hs], to, show_diff=diff)
+    with host_lock(hs, "rollback", break_lock):
+        try:
+            return CHANGED, _rollback_locked([hs], to, show_diff=diff)
+        except KeyboardInterrupt:
+            return FAILED, (f"interrupted during the rollback; the host may have no server: run "
+                            f"`invoke status -H {hs.host.name}`, then `invoke rollback -H {hs.host.name}` again")
 
 
-def _plan(hs: HostSession, variant: dict, wanted: list[str], show_diff: bool) -> tuple[str, str]:
-    """Check mode: render, diff against the current release's script, list patch actions."""
-    state = releases.listing(hs)
-    root = state["root"]
-    name = releases.release_name(variant["name"])
-    new = render_preview(hs, variant)
-    actions = plan_patches(hs, wanted)
-    if show_diff:
-        print_script_diff(hs, root, state["current"], name, new)
-        for action, patch in actions:
-            res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
-                   else patching.revert(hs, patch, dry_run=True))
-            patching.print_diff(hs.host.name, res["diff"])
-    summary = ", ".join(f"{a} {p.name}" for a, p in actions)
-    return CHANGED, (f"would deploy {name} (replacing {state['current'] or 'nothing'})"
-                     + (f"; patches: {summary}" if summary else "") + " (check mode)")
-
+# ---- shared helpers ----------------------------------------------------------------------------
 
 def print_script_diff(hs: HostSession, root: str, old: str | None, new: str, new_text: str | None = None) -> None:
     """Unified diff of launch.sh between two releases (`new_text`: a script not yet on the host)."""
     import difflib
+
+    from . import patching
 
     before = _read_remote(hs, f"{root}/releases/{old}/launch.sh") if old else ""
     after = new_text if new_text is not None else _read_remote(hs, f"{root}/releases/{new}/launch.sh")
@@ -352,5 +432,24 @@ def print_script_diff(hs: HostSession, root: str, old: str | None, new: str, new
 def _read_remote(hs: HostSession, path: str) -> str:
     from . import shell
 
-    res = hs.run(f"cat {shell.remote_path(path)}")
+    res = hs.run(f"cat -- {shell.remote_path(path)}")
     return res.stdout if res.ok else ""
+
+
+def stop(hs: HostSession, grace: float | None, dry_run: bool, break_lock: bool = False) -> tuple[str, str]:
+    """`invoke stop`: under the host lock, so it never races a deploy's health gate."""
+    state = releases.listing(hs)
+    server = state["server"]
+    if not server:
+        return "ok", "no server running"
+    if dry_run:
+        return CHANGED, f"would stop pid {server['pid']} ({server['release']}) (check mode)"
+    with host_lock(hs, "stop", break_lock):
+        current = next((r for r in state["releases"] if r["name"] == state["current"]), {})
+        res = releases.ctl(hs, "stop", grace=grace or float(current.get("stop_grace", 30)),
+                           ssh_timeout=int(grace or float(current.get("stop_grace", 30))) + 60,
+                           journal={"action": "stop", "who": operator()})
+    if not res.get("stopped"):
+        return "ok", "no server running"
+    how = "SIGKILL after grace period" if res.get("killed") else "SIGTERM"
+    return CHANGED, f"stopped pid {res['pid']} ({how})"

@@ -1,20 +1,24 @@
-"""The deploy lock on a host: owner, pid and time; stale-lock detection; --break-lock.
+"""The host lock every verb that changes a host takes: deploy, rollback, stop, patch.apply/revert,
+tune. Owner, pid and time; stale-lock detection; --break-lock.
 
-The lock file is created with O_EXCL on the host. A lock is stale when its owner process is
-gone (same controller machine, pid not alive) or it is older than `lock_stale_after` seconds;
-a stale lock is reported and replaced, a live one refuses the deploy unless --break-lock.
+The host writes the lock atomically (a complete record linked into place), so a full disk
+leaves no lock rather than an empty one. A lock is stale when its owner process is gone (same
+controller machine, or the host-side guard), when it is unreadable or empty, or when it is
+older than `lock_stale_after` seconds; a stale lock is reported and replaced. --break-lock
+always replaces it.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
 import socket
+import time
 import uuid
 from contextlib import contextmanager
 
-from .errors import ServopsError
+from .errors import ServopsError, TransportError
 from .output import err_console
+from .provenance import operator
 from .releases import ctl
 from .transport import HostSession
 
@@ -26,7 +30,9 @@ class LockHeld(ServopsError):
 
 
 def _owner_alive(held: dict) -> bool | None:
-    """True/False when the owner ran on this machine; None when we cannot tell."""
+    """True/False when we can tell (a holder on this machine or the host's guard); else None."""
+    if "alive_on_host" in held:
+        return bool(held["alive_on_host"])
     if held.get("controller") != socket.gethostname() or not held.get("pid"):
         return None
     try:
@@ -39,36 +45,54 @@ def _owner_alive(held: dict) -> bool | None:
 
 
 def is_stale(held: dict, age: float, stale_after: float) -> str | None:
+    if held.get("unreadable"):
+        return f"the lock file is empty or unreadable ({held.get('size', 0)} bytes)"
     alive = _owner_alive(held)
     if alive is False:
-        return f"its owner pid {held.get('pid')} on {held.get('controller')} is gone"
+        return f"its owner pid {held.get('pid') or held.get('host_pid')} is gone"
     if alive is None and age > stale_after:
         return f"it is {int(age)}s old (lock_stale_after={int(stale_after)})"
     return None
 
 
+def describe(held: dict) -> str:
+    if held.get("unreadable"):
+        return "an unreadable lock file"
+    who = held.get("who") or f"{held.get('user')}@{held.get('controller')}"
+    return f"{who} pid {held.get('pid') or held.get('host_pid')} ({held.get('action')}, since {held.get('acquired_at')})"
+
+
 @contextmanager
-def deploy_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None):
-    """Hold the host's deploy lock; yields the lock reply with the release listing (and `port` check)."""
-    owner = {"id": uuid.uuid4().hex, "user": getpass.getuser(), "controller": socket.gethostname(),
-             "pid": os.getpid(), "action": action}
+def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None, wait: float = 0.0):
+    """Hold the host's deploy lock; yields the lock reply (release listing, and `port` check).
+    `wait`: seconds to wait for a live holder to finish before refusing."""
+    owner = {"id": uuid.uuid4().hex, "who": operator(), "user": operator().split("@")[0],
+             "controller": socket.gethostname(), "pid": os.getpid(), "action": action}
     res = ctl(hs, "lock", owner=owner, port=port)
+    deadline = time.monotonic() + wait
+    while not res["acquired"] and time.monotonic() < deadline and not break_lock and not is_stale(
+            res["held"], res["age"], float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER))):
+        time.sleep(0.5)
+        res = ctl(hs, "lock", owner=owner, port=port)
     if not res["acquired"]:
         held = res["held"]
-        who = (f"{held.get('user')}@{held.get('controller')} pid {held.get('pid')} "
-               f"({held.get('action')}, since {held.get('acquired_at')})")
         reason = is_stale(held, res["age"], float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)))
         if reason or break_lock:
             why = f"stale: {reason}" if reason else "--break-lock"
-            err_console.print(f"{hs.host.name}: breaking deploy lock held by {who} ({why})", markup=False)
-            res = ctl(hs, "lock", owner=owner, replace_id=held.get("id"), port=port)
+            err_console.print(f"{hs.host.name}: breaking the deploy lock held by {describe(held)} ({why})", markup=False)
+            replace = {"id": held.get("id"), "unreadable": held.get("unreadable", False), "mtime": held.get("mtime"),
+                       "why": why}
+            res = ctl(hs, "lock", owner=owner, replace=replace, port=port)
         if not res["acquired"]:
-            raise LockHeld(f"{hs.host.name}: deploy lock held by {who}; wait for it, or pass --break-lock "
-                           f"if that deploy is dead")
+            raise LockHeld(f"{hs.host.name}: the deploy lock is held by {describe(res.get('held') or held)}; "
+                           f"wait for it, or pass --break-lock if that operation is dead")
+    res["id"] = owner["id"]
     try:
         yield res
     finally:
         try:
             ctl(hs, "unlock", id=owner["id"])
-        except ServopsError:
+        except (TransportError, ServopsError):
             pass  # a lost connection leaves a lock whose owner pid is gone: the next run breaks it
+
+

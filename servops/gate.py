@@ -89,3 +89,19 @@ def evaluate(conds: list[Condition], result: dict, lookup) -> tuple[bool, list[s
         passed &= ok
         lines.append(f"{'pass' if ok else 'FAIL'}: {c} ({actual:.3g} {c.op} {ref_text})")
     return passed, lines
+
+
+def validate(conds: list[Condition], host: str) -> None:
+    """What can be checked before a deploy touches the host: levels, and that every reference
+    variant has a playbook and a saved bench on this host."""
+    from .bench import latest_for_variant
+    from .playbooks import load_variant
+
+    for c in conds:
+        if c.level < 1:
+            raise GateError(f"--gate {c}: the level (concurrency) must be 1 or more")
+        if c.ref is not None:
+            load_variant(c.ref)
+            if latest_for_variant(host, c.ref) is None:
+                raise GateError(f"--gate {c}: no saved bench of variant {c.ref!r} on {host}; "
+                                f"deploy and bench {c.ref} first")

@@ -25,15 +25,27 @@ def status(hs: HostSession) -> tuple[str, str, dict]:
         "patches": ", ".join(rel.get("patches") or []) or "-", "pid": str(server["pid"]) if server else "-",
         "health": {True: "healthy", False: "unhealthy", None: "down"}[res["healthy"]] if server else "down",
         "uptime": _uptime(res["now"] - server["started_epoch"]) if server else "-",
+        "sglang": ((res.get("server_info") or {}).get("version") or "-") if server else "-",
+        "launch": hs.redactor((res.get("server_info") or {}).get("launch_command") or ""),
+        "release_status": rel.get("status", "-"),
     }
-    return OK, "", row
+    message = ""
+    if rel.get("status") in ("unconfirmed", "deploying", "interrupted"):
+        message = f"release {res['current']} is {rel['status']}" + (f": {rel['guard']}" if rel.get("guard") else "")
+    return OK, message, row
+
+
+COLUMNS = ("host", "release", "variant", "patches", "pid", "health", "uptime", "sglang")
 
 
 def print_status(rows: list[dict]) -> None:
-    t = table("servers", ["host", "release", "variant", "patches", "pid", "health", "uptime"])
+    t = table("servers", list(COLUMNS))
     for r in rows:
-        t.add_row(*(r[k] for k in ("host", "release", "variant", "patches", "pid", "health", "uptime")))
+        t.add_row(*(r[k] for k in COLUMNS))
     print_table(t)
+    for r in rows:
+        if r["launch"]:
+            console.print(f"{r['host']}: launched as: {r['launch']}", markup=False, highlight=False)
 
 
 def logs(hs: HostSession, lines: int, release: str | None) -> tuple[str, str, dict]:
@@ -52,8 +64,9 @@ def print_logs(host: str, res: dict, prefix: bool) -> None:
 
 
 def follow(inventory, host, res: dict) -> None:
-    """`tail -F` the log on the host until Ctrl-C; every chunk redacted."""
-    from . import shell
+    """Follow the log on the host until Ctrl-C (`tail -F` in the host program, which masks the
+    release's secrets before a line leaves the host); every chunk redacted here too."""
+    from . import remote, shell
     from .transport import Session
 
     with Session(inventory) as session:
@@ -62,23 +75,12 @@ def follow(inventory, host, res: dict) -> None:
         def emit(text: str) -> None:
             sys.stdout.write(hs.redactor(text))
             sys.stdout.flush()
+        program = remote.with_args("deploy_ctl", {"op": "follow", "name": res["name"],
+                                                  "deploy_root": releases.deploy_root(host)})
         try:
-            hs.run(f"tail -n 0 -F {shell.quote(res['path'])}", timeout=10 ** 7, on_output=emit)
+            hs.run(shell.python_stdin(host.python), stdin=program, timeout=10 ** 7, on_output=emit)
         except KeyboardInterrupt:
             pass
-
-
-def stop(hs: HostSession, grace: float | None, dry_run: bool) -> tuple[str, str]:
-    state = releases.ctl(hs, "releases")
-    server = state["server"]
-    if not server:
-        return OK, "no server running"
-    if dry_run:
-        return CHANGED, f"would stop pid {server['pid']} ({server['release']}) (check mode)"
-    current = next((r for r in state["releases"] if r["name"] == state["current"]), {})
-    res = releases.stop(hs, grace or float(current.get("stop_grace", 30)))
-    how = "SIGKILL after grace period" if res.get("killed") else "SIGTERM"
-    return CHANGED, f"stopped pid {res['pid']} ({how})"
 
 
 def list_releases(hs: HostSession) -> tuple[str, str, dict]:
@@ -93,4 +95,21 @@ def print_releases(listings: dict) -> None:
             t.add_row(host, r["name"], r.get("variant", "-"), r.get("status", "-"),
                       ", ".join(r.get("patches") or []) or "-", r.get("created", "-"),
                       "current" if r["name"] == state["current"] else "")
+    print_table(t)
+
+
+def history(hs: HostSession, last: int) -> tuple[str, str, list]:
+    res = releases.ctl(hs, "journal", last=last)
+    entries = [{k: (hs.redactor(v) if isinstance(v, str) else v) for k, v in e.items()} for e in res["entries"]]
+    return OK, f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in {res['path']}", entries
+
+
+def print_history(host: str, entries: list[dict]) -> None:
+    t = table(f"{host}: history", ["when", "who", "action", "release", "outcome", "detail"])
+    for e in entries:
+        release = e.get("release") or e.get("patch") or "-"
+        if e.get("to"):
+            release += f" -> {e['to']}"
+        t.add_row(e.get("at", "-"), str(e.get("who") or "-"), e.get("action", "-"), release,
+                  str(e.get("outcome") or "-"), str(e.get("detail") or e.get("why") or ""))
     print_table(t)

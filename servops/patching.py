@@ -6,11 +6,13 @@ each file, all or nothing); this side checks versions against `applies_to` and r
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from .output import CHANGED, OK, console, err_console, is_tty
 from .provenance import operator
+from .releases import deploy_root
 from .patchstore import PATCH_ROOT, Patch, PatchError, write_patch
 from .remote_exec import run_program
 from .transport import HostSession
@@ -24,7 +26,11 @@ _REMOTE_STATE = {"not-applied": NOT_APPLIED, "applied": APPLIED, "conflicts": CO
 def _run(hs: HostSession, op: str, **args) -> dict:
     """One patch_op run. Every op first finishes or undoes a transaction a killed run left
     behind on the host; say so when it did."""
-    res = run_program(hs, "patch_op", dict(args, op=op, operator=operator()))
+    args = dict(args, op=op, operator=operator(), journal=f"{deploy_root(hs.host)}/journal.jsonl")
+    # Crash-safety tests: SERVOPS_FAULT=<op>:<point> makes the host program SIGKILL itself there.
+    if os.environ.get("SERVOPS_FAULT"):
+        args["_fault"] = os.environ["SERVOPS_FAULT"]
+    res = run_program(hs, "patch_op", args)
     if res.get("recovered"):
         err_console.print(f"{hs.host.name}: patch state: {res['recovered']}", markup=False)
     return res

@@ -19,6 +19,7 @@ from unidiff import PatchSet
 from unidiff.errors import UnidiffParseError
 
 from .errors import ServopsError
+from .schema import PATCH_META, SchemaError, check_mapping
 
 # Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
 PATCH_ROOT = Path(os.environ.get("SERVOPS_PATCHES") or Path(__file__).resolve().parent.parent / "patches")
@@ -68,6 +69,9 @@ def _split_requirement(spec: str, path: Path) -> tuple[str | None, SpecifierSet]
 
 
 def patch_files(text: str, strip: int, where: str) -> list[str]:
+    # A symlink in a patch could point site-packages anywhere: refused outright.
+    if re.search(r"^(new file mode|new mode|old mode|deleted file mode) 120000", text, re.M):
+        raise PatchError(f"{where}: the patch creates or changes a symlink; servops patches regular files only")
     try:
         ps = PatchSet(text)
     except UnidiffParseError as exc:
@@ -95,6 +99,10 @@ def load_patch(path: Path) -> Patch:
         raise PatchError(f"{meta_path}: invalid YAML: {exc}") from None
     if not isinstance(meta, dict):
         raise PatchError(f"{meta_path}: must be a mapping")
+    try:
+        meta = check_mapping(meta, PATCH_META, f"{meta_path}: ")
+    except SchemaError as exc:
+        raise PatchError(str(exc)) from None
     for key in ("applies_to", "why", "files"):
         if not meta.get(key):
             raise PatchError(f"{meta_path}: '{key}' is required")
@@ -110,7 +118,7 @@ def load_patch(path: Path) -> Patch:
         raise PatchError(f"{meta_path}: 'files' {meta['files']} does not match the files in the diff {diff_files}")
     preflight = meta.get("preflight")
     if preflight is not None:
-        if not isinstance(preflight, dict) or preflight.get("check") not in PREFLIGHT_CHECKS:
+        if preflight.get("check") not in PREFLIGHT_CHECKS:
             raise PatchError(f"{meta_path}: 'preflight.check' must be one of {', '.join(PREFLIGHT_CHECKS)}")
         for key in ("module", "call"):
             if not preflight.get(key):
@@ -128,10 +136,12 @@ def all_patches(root: Path = PATCH_ROOT) -> list[Patch]:
 
 
 def find_patch(name: str, root: Path = PATCH_ROOT) -> Patch:
-    if not NAME_RE.fullmatch(name or ""):
-        raise PatchError(f"patch name {name!r}: use letters, digits, '.', '_' or '-'")
-    if "/" in name:
-        dist, _, name = name.partition("/")
+    """A patch by NAME, or DIST/NAME when two distributions have a patch of that name."""
+    dist, _, stem = name.rpartition("/") if "/" in (name or "") else ("", "", name)
+    if not NAME_RE.fullmatch(stem or "") or (dist and not NAME_RE.fullmatch(dist)):
+        raise PatchError(f"patch name {name!r}: use NAME or DIST/NAME (letters, digits, '.', '_' or '-')")
+    name = stem
+    if dist:
         candidates = [root / dist / f"{name}.patch"]
     else:
         candidates = sorted(root.glob(f"*/{name}.patch"))

@@ -34,3 +34,16 @@ def push_deploy_event(url: str, host: str, variant: str, release: str, state: st
               registry=reg)
     g.labels(variant, release, state).set(time.time())
     _push(url, "servops_deploy", reg, {"instance": host})
+
+
+def validate_url(url: str) -> None:
+    """A Pushgateway address: http(s)://host[:port][/path], checked before anything runs."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        raise ServopsError(f"--push {url!r}: expected a Pushgateway URL like http://pushgateway:9091")
+    try:
+        parts.port
+    except ValueError:
+        raise ServopsError(f"--push {url!r}: the port is not a number 1-65535") from None

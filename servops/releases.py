@@ -5,6 +5,7 @@ Thin wrappers over the remote deploy_ctl program; each call is one SSH command.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any, Callable
@@ -21,8 +22,12 @@ def deploy_root(host: Host) -> str:
 
 def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
         on_progress: Callable[[dict], None] | None = None, **args: Any) -> dict:
-    return run_program(hs, "deploy_ctl", dict(args, op=op, deploy_root=deploy_root(hs.host)),
-                       timeout=ssh_timeout, on_progress=on_progress)
+    args = dict(args, op=op, deploy_root=deploy_root(hs.host))
+    # Failure injection for the tests of "a failure after the old server stopped" (disk full at
+    # start, say): SERVOPS_INJECT_FAILURE=OP:RELEASE_SUFFIX makes that host op fail.
+    if os.environ.get("SERVOPS_INJECT_FAILURE"):
+        args["_fail"] = os.environ["SERVOPS_INJECT_FAILURE"]
+    return run_program(hs, "deploy_ctl", args, timeout=ssh_timeout, on_progress=on_progress)
 
 
 def batch(hs: HostSession, *steps: dict, ssh_timeout: int | None = None) -> list[dict]:

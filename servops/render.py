@@ -90,6 +90,13 @@ def server_argv(server_args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def shell_words(argv: list[str], secret_env: Mapping[str, str]) -> list[str]:
+    """argv as shell words; an argument equal to a secret env value (`--api-key <token>`) becomes
+    "$NAME", expanded by bash from the secrets file, so the value never sits in the script."""
+    by_value = {v: k for k, v in secret_env.items() if len(v) >= 4}
+    return [f'"${by_value[a]}"' if a in by_value else shlex.quote(a) for a in argv]
+
+
 @dataclass
 class Launch:
     """What a variant renders to on one host."""
@@ -131,7 +138,8 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     secret = secret_names(host)
     secret_env = {k: v for k, v in launch_env.items() if is_secret_name(k) or k in secret}
     plain_env = {k: v for k, v in launch_env.items() if k not in secret_env}
-    context.update(argv=argv, env=plain_env, secret_env=sorted(secret_env), server_args=args)
+    context.update(argv=argv, argv_shell=shell_words(argv, secret_env), env=plain_env,
+                   secret_env=sorted(secret_env), server_args=args)
     try:
         template = env.get_template(variant["template"])
     except jinja2.TemplateNotFound:

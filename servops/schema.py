@@ -40,6 +40,7 @@ class Field:
     keys_what: str = ""
     nullable: bool = False
     check: Callable[[Any], str | None] | None = None  # extra rule: returns an error or None
+    fields: "dict[str, Field] | None" = None  # kind "record": a mapping with these keys
 
 
 def _describe(f: Field) -> str:
@@ -51,7 +52,8 @@ def _describe(f: Field) -> str:
     elif f.low is not None:
         rng = f" >= {f.low:g}"
     return {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a single-line string",
-            "path": "a path", "name": "a name", "list": "a list", "map": "a mapping"}.get(f.kind, "a value") + rng
+            "path": "a path", "name": "a name", "list": "a list", "map": "a mapping",
+            "record": "a mapping"}.get(f.kind, "a value") + rng
 
 
 def coerce(value: Any, f: Field, where: str) -> Any:
@@ -61,7 +63,11 @@ def coerce(value: Any, f: Field, where: str) -> Any:
             return None
         raise SchemaError(f"{where}: expected {_describe(f)}, got nothing")
     bad = SchemaError(f"{where}: expected {_describe(f)}, got {value!r}")
-    if f.kind in ("int", "number"):
+    if f.kind == "record":
+        if not isinstance(value, dict):
+            raise bad
+        value = check_mapping(value, f.fields or {}, where)
+    elif f.kind in ("int", "number"):
         if isinstance(value, bool):
             raise bad
         try:
@@ -119,7 +125,7 @@ def check_mapping(data: dict, fields: dict[str, Field], where: str, allow_unknow
                 raise SchemaError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
             out[key] = value
             continue
-        out[key] = coerce(value, f, f"{where}.{key}" if where else key)
+        out[key] = coerce(value, f, f"{where}.{key}" if not where.endswith(": ") else f"{where}{key}")
     return out
 
 
@@ -170,3 +176,51 @@ INVENTORY_VARS = {
     "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
 }
 INT_VARS = tuple(k for k, f in INVENTORY_VARS.items() if f.kind == "int")
+
+
+def _regex(value: Any) -> str | None:
+    try:
+        re.compile(value)
+    except (re.error, TypeError) as exc:
+        return f"{value!r} is not a valid regex: {exc}"
+    return None
+
+
+HEALTH = {
+    "endpoint": Field("str", pattern=re.compile(r"/\S*"), what="an HTTP path like /health"),
+    "model_info": Field("str", pattern=re.compile(r"/\S*"), what="an HTTP path like /model_info", nullable=True),
+    "timeout": POSITIVE,
+    "interval": POSITIVE,
+}
+VARIANT = {
+    "extends": Field("str", pattern=NAME, what="a variant name"),
+    "template": Field("str", pattern=NAME, what="a template file name under templates/"),
+    "description": Field("any", nullable=True),
+    "server_args": Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs", nullable=True,
+                         items=Field("any", nullable=True, check=_scalar_or_list)),
+    "env": Field("map", keys=ENV_NAME, keys_what="an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                 nullable=True, items=Field("any", nullable=True, check=_scalar)),
+    "patches": Field("list", nullable=True, items=Field("str", pattern=NAME, what="a patch name")),
+    "health": Field("record", fields=HEALTH, nullable=True),
+    "crash_signatures": Field("list", nullable=True, items=Field("str", check=_regex)),
+    "stop_grace": Field("number", low=0, what="seconds (a number >= 0)"),
+    "nnodes": Field("int", 1, 64),
+}
+
+
+def check_variant(data: dict, path: str, extra: dict[str, Field] | None = None) -> dict:
+    """A variant file's keys and values (one line naming the file and key on the first error)."""
+    return check_mapping(data, dict(VARIANT, **(extra or {})), f"{path}: ")
+
+
+PATCH_META = {
+    "distribution": Field("str", pattern=NAME, what="a distribution name"),
+    "applies_to": Field("str", what="a PEP 440 requirement like flashinfer-python>=0.2,<0.8"),
+    "why": Field("any"),
+    "files": Field("list", items=Field("path")),
+    "strip": Field("int", 0, 32),
+    "preflight": Field("record", fields={
+        "check": Field("str", pattern=NAME), "module": Field("str", pattern=MODULE, what="a module name"),
+        "call": Field("str", pattern=re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), what="a function name"),
+        "args": Field("list", nullable=True), "backend": Field("str", pattern=NAME, what="a torch.compile backend")}),
+}

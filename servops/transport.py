@@ -18,6 +18,7 @@ from typing import Callable
 import paramiko
 from fabric import Connection
 
+from . import interrupt
 from .errors import HostKeyError, InventoryError, TransportError
 from .inventory import Host, Inventory
 from .redact import Redactor
@@ -81,11 +82,43 @@ def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     return user, spec, port
 
 
+_warned: set[tuple[str, int]] = set()
+
+
+def load_known_hosts(client: paramiko.SSHClient, path: str) -> None:
+    """Like OpenSSH: a malformed line is skipped with a warning naming the file and line, and
+    every other host's key still counts (paramiko would refuse the whole file)."""
+    from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
+
+    from .output import err_console
+
+    keys = client.get_host_keys()
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                entry = HostKeyEntry.from_line(line, lineno)
+            except (InvalidHostKey, ValueError, TypeError, paramiko.SSHException) as exc:
+                entry, reason = None, str(exc.args[-1] if getattr(exc, "args", None) else exc)
+            else:
+                reason = "not a known_hosts entry"
+            if entry is None or entry.key is None:
+                if (path, lineno) not in _warned:
+                    _warned.add((path, lineno))
+                    err_console.print(f"warning: {path}:{lineno}: malformed known_hosts line skipped ({reason})",
+                                      markup=False)
+                continue
+            for name in entry.hostnames:
+                keys.add(name, entry.key.get_name(), entry.key)
+
+
 def _secure(conn: Connection, host: Host) -> Connection:
     client = conn.client
     known = host.known_hosts
     if os.path.exists(known):
-        client.load_host_keys(known)
+        load_known_hosts(client, known)
     elif not host.accept_new_host_keys:
         raise HostKeyError(
             f"{host.name}: known_hosts file {known} does not exist; create it with the host's key "
@@ -99,7 +132,10 @@ def _secure(conn: Connection, host: Host) -> Connection:
 
 
 def make_connection(host: Host, inventory: Inventory | None = None) -> Connection:
-    connect_kwargs = {"look_for_keys": host.ssh_key is None, "allow_agent": host.ssh_key is None}
+    timeout = float(host.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT))
+    # banner and auth timeouts too: a frozen sshd accepts TCP but never speaks.
+    connect_kwargs = {"look_for_keys": host.ssh_key is None, "allow_agent": host.ssh_key is None,
+                      "banner_timeout": timeout, "auth_timeout": timeout}
     if host.ssh_key:
         connect_kwargs["key_filename"] = [host.ssh_key]
     gateway = None
@@ -117,7 +153,7 @@ def make_connection(host: Host, inventory: Inventory | None = None) -> Connectio
         user=host.ssh_user,
         port=host.ssh_port,
         connect_kwargs=connect_kwargs,
-        connect_timeout=int(host.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT)),
+        connect_timeout=timeout,
         gateway=gateway if gateway is not None else False,
     )
     return _secure(conn, host)
@@ -158,6 +194,7 @@ def _exec(transport: paramiko.Transport, command: str, stdin: str | bytes | None
                 break
             if time.monotonic() > deadline:
                 raise CommandTimeout()
+            interrupt.check()
             if not busy:
                 select.select([chan], [], [], 0.002)
         # Output that arrived between the last read and the exit status.
@@ -201,14 +238,30 @@ class HostSession:
                     f"{self.host.ssh_port} ({exc}); check ssh_user and ssh_key"
                 ) from None
             except (socket.timeout, TimeoutError):
-                raise TransportError(
-                    f"{self.host.name}: SSH connect to {self.host.ssh_host}:{self.host.ssh_port} timed out"
-                ) from None
-            except (OSError, paramiko.SSHException) as exc:
-                raise TransportError(
-                    f"{self.host.name}: cannot connect to {self.host.ssh_host}:{self.host.ssh_port}: {exc}"
-                ) from None
+                raise TransportError(f"{self.host.name}: {self._where()} did not answer within "
+                                     f"{self._timeout():g}s (connect timed out){self._lab_hint()}") from None
+            except paramiko.SSHException as exc:
+                text = str(exc)
+                if "banner" in text.lower() or "No existing session" in text or "timeout" in text.lower():
+                    raise TransportError(f"{self.host.name}: {self._where()} did not answer within {self._timeout():g}s "
+                                         f"(no SSH handshake: is sshd hung?){self._lab_hint()}") from None
+                raise TransportError(f"{self.host.name}: cannot connect to {self._where()}: {exc}") from None
+            except OSError as exc:
+                raise TransportError(f"{self.host.name}: cannot connect to {self._where()}: "
+                                     f"{exc.strerror or exc}{self._lab_hint()}") from None
         return self._conn
+
+    def _where(self) -> str:
+        return f"{self.host.ssh_host}:{self.host.ssh_port}"
+
+    def _timeout(self) -> float:
+        return float(self.host.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT))
+
+    def _lab_hint(self) -> str:
+        """A host of servops' own lab (group `lab`, on loopback): say how to start it."""
+        if "lab" in self.host.groups and self.host.ssh_host.startswith("127."):
+            return f"; is the lab up? invoke lab.up -H {self.host.name}"
+        return ""
 
     def run(self, command: str, stdin: str | bytes | None = None, timeout: int | None = None,
             check: bool = False, on_output: Callable[[str], None] | None = None) -> CommandResult:

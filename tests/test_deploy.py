@@ -140,11 +140,11 @@ def test_lock_held_refuses_second_deploy_and_break_lock(deploy_lab):
               "acquired_at": "2026-12-02T00:00:00Z"}
     (root / "deploy.lock").write_text(json.dumps(holder))
     res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
-    assert res.returncode == 2 and "deploy lock held by alice@other-laptop pid 1" in res.stderr
+    assert res.returncode == 2 and "the deploy lock is held by alice@other-laptop pid 1" in res.stderr
     assert not (root / "releases").exists()
     res = run_invoke("deploy", "--variant", "baseline", "--break-lock", inventory=inv)
     assert res.returncode == 0, res.stderr
-    assert "breaking deploy lock held by alice@other-laptop" in res.stderr
+    assert "breaking the deploy lock held by alice@other-laptop" in res.stderr
     assert not (root / "deploy.lock").exists()
 
 
@@ -191,7 +191,7 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     assert (root_of(lab) / "current").is_symlink()  # current is always a whole release
     res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "breaking deploy lock" in res.stderr and "is gone" in res.stderr
+    assert "breaking the deploy lock" in res.stderr and "is gone" in res.stderr
     assert current(lab).endswith("-baseline") and current(lab) != good
     assert health(port_of(inv))["piecewise_cuda_graph"] is False
 

@@ -185,3 +185,18 @@ def patched_files(site=None):
         for rel, hashes in (rec.get("files") or {}).items():
             out[rel] = (name, hashes.get("after"))
     return out
+
+
+def append_journal(path, entry):
+    """Append one JSON line to a host journal (0600). O_APPEND writes of one line do not interleave."""
+    import time as _time
+    entry = dict(entry)
+    entry.setdefault("at", _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()))
+    path = os.path.expanduser(path)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)

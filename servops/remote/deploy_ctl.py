@@ -3,13 +3,19 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
+# Releases, `current`, the server process, the deploy lock, the health gate, the host journal
+# and the health-gate guard, under one deploy root. Everything servops writes here is 0600/0700:
+# scripts, variant files and logs can hold tokens.
 ROOT = os.path.realpath(os.path.expanduser(ARGS.get("deploy_root", "~/.servops/deploy")))
 RELEASES = os.path.join(ROOT, "releases")
 CURRENT = os.path.join(ROOT, "current")
 PIDFILE = os.path.join(ROOT, "server.pid")
 LOCKFILE = os.path.join(ROOT, "deploy.lock")
+JOURNAL = os.path.join(ROOT, "journal.jsonl")
+NAME_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z-[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def now_iso():
@@ -18,12 +24,18 @@ def now_iso():
 
 def write_atomic(path, text, mode=0o600):
     tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def read_json(path, default=None):
@@ -32,6 +44,13 @@ def read_json(path, default=None):
             return json.load(fh)
     except (OSError, ValueError):
         return default
+
+
+def release_dir(name):
+    """A release named as `releases` lists it; never a path."""
+    if not NAME_RE.fullmatch(name or ""):
+        fail("%r is not a release name (see invoke releases)" % (name,))
+    return os.path.join(RELEASES, name)
 
 
 def current_name():
@@ -44,9 +63,10 @@ def current_name():
 def proc_starttime(pid):
     try:
         with open("/proc/%d/stat" % pid) as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError, TypeError):
         return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def server_proc():
@@ -54,14 +74,8 @@ def server_proc():
     info = read_json(PIDFILE)
     if not info:
         return None
-    st = proc_starttime(info["pid"])
+    st = proc_starttime(info.get("pid", 0))
     if st is None or st != info.get("starttime"):
-        return None
-    try:
-        with open("/proc/%d/stat" % info["pid"]) as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return None
-    except OSError:
         return None
     return info
 
@@ -74,84 +88,173 @@ def release_info(name):
 
 def list_releases():
     try:
-        names = sorted(n for n in os.listdir(RELEASES) if os.path.isdir(os.path.join(RELEASES, n)))
+        names = sorted(n for n in os.listdir(RELEASES) if NAME_RE.fullmatch(n) and os.path.isdir(os.path.join(RELEASES, n)))
     except OSError:
         names = []
     return [release_info(n) for n in names]
 
 
-def op_lock():
+def journal(entry):
+    append_journal(JOURNAL, entry)
+
+
+def release_secrets(name):
+    """Secret values of a release (its 0600 secrets.env): masked in every log line we return."""
+    values = []
+    try:
+        with open(os.path.join(RELEASES, name, "secrets.env")) as fh:
+            for line in fh:
+                if "=" in line:
+                    import shlex
+                    try:
+                        value = shlex.split(line.split("=", 1)[1])
+                    except ValueError:
+                        continue
+                    if value and len(value[0]) >= 4:
+                        values.append(value[0])
+    except OSError:
+        pass
+    return sorted(set(values), key=len, reverse=True)
+
+
+def masker(name):
+    secrets = release_secrets(name) if name else []
+
+    def mask(text):
+        for s in secrets:
+            text = text.replace(s, "***")
+        return text
+    return mask
+
+
+# ---- the deploy lock ------------------------------------------------------------------------
+
+def lock_state():
+    """(holder record or None, age seconds, readable). An empty or unreadable lock (a full disk
+    at lock time, say) is reported as unreadable: it is stale and always breakable."""
+    try:
+        st = os.stat(LOCKFILE)
+    except FileNotFoundError:
+        return None, 0, True
+    held = read_json(LOCKFILE)
+    age = time.time() - st.st_mtime
+    if not isinstance(held, dict) or not held.get("id"):
+        return {"id": None, "unreadable": True, "size": st.st_size, "mtime": st.st_mtime}, age, False
+    # A holder running ON this host (the guard) is alive or not by its pid and start time.
+    if held.get("host_pid"):
+        held["alive_on_host"] = proc_starttime(held["host_pid"]) == held.get("host_starttime")
+    return held, age, True
+
+
+def take_lock(owner):
+    """Publish a complete lock record atomically: write a temp file, then link(2) it into place
+    (fails if a lock exists). A failed write leaves no lock at all, never an empty one."""
     os.makedirs(ROOT, mode=0o700, exist_ok=True)
+    tmp = LOCKFILE + ".new-%d" % os.getpid()
+    write_atomic(tmp, json.dumps(owner))
+    try:
+        os.link(tmp, LOCKFILE)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
+def op_lock():
     owner = dict(ARGS["owner"], acquired_at=now_iso())
+    replace = ARGS.get("replace")
     for _ in range(2):
-        try:
-            fd = os.open(LOCKFILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            held = read_json(LOCKFILE, {}) or {}
-            replace = ARGS.get("replace_id")
-            if replace and held.get("id") == replace:
-                os.unlink(LOCKFILE)
-                continue
-            return {"acquired": False, "held": held, "root": ROOT,
-                    "age": time.time() - os.path.getmtime(LOCKFILE) if os.path.exists(LOCKFILE) else 0}
-        with os.fdopen(fd, "w") as fh:
-            json.dump(owner, fh)
-        # What a deploy reads first comes back with the lock: one round trip fewer.
-        out = {"acquired": True, "root": ROOT, "home": os.path.expanduser("~"), "listing": op_releases()}
-        if ARGS.get("port"):
-            out["port"] = op_port_check()
-        return out
+        if take_lock(owner):
+            out = {"acquired": True, "root": ROOT, "listing": op_releases()}
+            if ARGS.get("port"):
+                out["port"] = op_port_check()
+            return out
+        held, age, readable = lock_state()
+        if held is None:
+            continue  # released between our two looks
+        # Break only the lock the controller saw (same id, or the same unreadable file), so a
+        # lock a third party took in between is never broken by mistake.
+        if replace and ((readable and held.get("id") == replace.get("id")) or
+                        (not readable and replace.get("unreadable") and held.get("mtime") == replace.get("mtime"))):
+            os.unlink(LOCKFILE)
+            journal({"action": "lock.break", "who": owner.get("who"), "detail": replace.get("why"),
+                     "previous": {k: held.get(k) for k in ("who", "action", "acquired_at", "id")}})
+            replace = None
+            continue
+        return {"acquired": False, "held": held, "age": age, "root": ROOT}
     fail("could not take the deploy lock %s" % LOCKFILE)
 
 
 def op_unlock():
-    held = read_json(LOCKFILE, {}) or {}
-    if held.get("id") == ARGS["id"]:
+    held, _age, _readable = lock_state()
+    if held and held.get("id") == ARGS["id"]:
         os.unlink(LOCKFILE)
     return {"released": True}
 
 
+# ---- releases and the server ----------------------------------------------------------------
+
 def op_releases():
-    cur = current_name()
-    proc = server_proc()
-    return {"root": ROOT, "current": cur, "releases": list_releases(), "server": proc}
+    return {"root": ROOT, "current": current_name(), "releases": list_releases(), "server": server_proc()}
 
 
 def op_prepare():
     os.makedirs(RELEASES, mode=0o700, exist_ok=True)
+    os.chmod(ROOT, 0o700)
     base = ARGS["name"]
     name, n = base, 1
     while True:
+        d = release_dir(name)
         try:
-            os.mkdir(os.path.join(RELEASES, name), 0o700)
+            os.mkdir(d, 0o700)
             break
         except FileExistsError:
             n += 1
             name = "%s-%d" % (base, n)
-    d = os.path.join(RELEASES, name)
-    for rel, spec in ARGS["files"].items():
-        write_atomic(os.path.join(d, rel), spec["text"], spec.get("mode", 0o600))
+    try:
+        for rel, spec in ARGS["files"].items():
+            if "/" in rel or rel.startswith("."):
+                fail("release file name %r" % rel)
+            write_atomic(os.path.join(d, rel), spec["text"], spec.get("mode", 0o600))
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)  # a failed prepare leaves no half release behind
+        raise
     return {"name": name, "dir": d}
 
 
+def op_discard():
+    """Remove a release that never ran (an aborted deploy): no orphan directories."""
+    d = release_dir(ARGS["name"])
+    if current_name() == ARGS["name"]:
+        fail("release %s is current; not removing it" % ARGS["name"])
+    shutil.rmtree(d, ignore_errors=True)
+    return {"removed": ARGS["name"]}
+
+
 def op_mark():
-    path = os.path.join(RELEASES, ARGS["name"], "release.json")
+    path = os.path.join(release_dir(ARGS["name"]), "release.json")
     meta = read_json(path, {}) or {}
     meta.update(ARGS["fields"])
     write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+    if ARGS.get("journal"):
+        journal(ARGS["journal"])
     return {"ok": True}
 
 
 def op_switch():
-    target = os.path.join("releases", ARGS["name"])
-    if not os.path.isdir(os.path.join(ROOT, target)):
-        fail("release %s does not exist under %s" % (ARGS["name"], RELEASES))
+    return switch_to(ARGS["name"])
+
+
+def switch_to(name):
+    if not os.path.isdir(release_dir(name)):
+        fail("release %s does not exist under %s" % (name, RELEASES))
     tmp = CURRENT + ".tmp-%d" % os.getpid()
     if os.path.lexists(tmp):
         os.unlink(tmp)
-    os.symlink(target, tmp)
+    os.symlink(os.path.join("releases", name), tmp)
     os.replace(tmp, CURRENT)  # rename(2): readers see the old or the new release, never neither
-    return {"current": ARGS["name"]}
+    return {"current": name}
 
 
 def port_in_use(port):
@@ -173,15 +276,13 @@ def op_port_check():
     return {"busy": busy, "ours": bool(proc), "server": proc}
 
 
-def op_stop():
+def stop_server(grace):
     proc = server_proc()
     if not proc:
         if os.path.exists(PIDFILE):
             os.unlink(PIDFILE)
         return {"stopped": False, "reason": "no server running"}
-        return
     pgid = proc["pgid"]
-    grace = float(ARGS.get("grace", 30))
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -209,56 +310,220 @@ def op_stop():
     return {"stopped": True, "pid": proc["pid"], "killed": killed, "release": proc.get("release")}
 
 
-def op_start():
+def op_stop():
+    res = stop_server(float(ARGS.get("grace", 30)))
+    if res["stopped"] and ARGS.get("journal"):
+        journal(dict(ARGS["journal"], release=res.get("release"), pid=res["pid"],
+                     outcome="SIGKILL after grace" if res["killed"] else "SIGTERM"))
+    return res
+
+
+def start_server(name, port):
     if server_proc():
         fail("a server is still running (pid %d); stop it first" % server_proc()["pid"])
-    d = os.path.join(RELEASES, ARGS["name"])
+    d = release_dir(name)
     log_path = os.path.join(d, "server.log")
     log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
     # A new session: the server outlives this SSH channel and is signalled as one group.
     proc = subprocess.Popen(["bash", os.path.join(d, "launch.sh")], cwd=d, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    info = {"pid": proc.pid, "pgid": proc.pid, "starttime": proc_starttime(proc.pid), "release": ARGS["name"],
-            "port": ARGS.get("port"), "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
+    log.close()
+    info = {"pid": proc.pid, "pgid": proc.pid, "starttime": proc_starttime(proc.pid), "release": name,
+            "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
     write_atomic(PIDFILE, json.dumps(info))
-    return {"server": info}
+    return info
+
+
+def op_start():
+    info = start_server(ARGS["name"], ARGS.get("port"))
+    out = {"server": info}
+    if ARGS.get("guard"):
+        out["guard"] = spawn_guard(ARGS["name"], ARGS["guard"])
+    return out
+
+
+# ---- the health gate --------------------------------------------------------------------------
+
+def http_get(port, path, timeout=2.0):
+    """(status, body) of a GET on the server; (None, error) when nothing answers."""
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
+            return r.status, r.read(65536).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except Exception as exc:
+        return None, str(exc)
 
 
 def http_ok(port, path, timeout=2.0):
-    try:
-        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
-            return r.status == 200
-    except Exception:
-        return False
+    return http_get(port, path, timeout)[0] == 200
 
 
-def excerpt(lines, match_index=None):
-    """From the last traceback start (at or before the match) to the end; else the tail."""
-    end = len(lines)
-    upto = match_index if match_index is not None else end - 1
-    starts = [i for i in range(0, upto + 1) if lines[i].startswith("Traceback (most recent call last)")]
-    if starts:
-        return lines[starts[-1]:min(end, starts[-1] + 80)]
-    return lines[max(0, end - 25):end]
+def info_ok(port, paths):
+    """The model info endpoint, newest spelling first (/model_info; /get_model_info before 0.5.x)."""
+    for path in paths:
+        status, _ = http_get(port, path)
+        if status == 200:
+            return path
+    return None
 
 
-def op_health():
-    port = int(ARGS["port"])
-    timeout = float(ARGS["timeout"])
-    interval = float(ARGS.get("interval", 2))
-    fatal = [re.compile(p) for p in ARGS.get("signatures", [])]
-    log_path = os.path.join(RELEASES, ARGS["name"], "server.log")
+class LogWatch:
+    """Follows a server log: new lines, crash signatures, and the excerpt around a hit."""
+
+    def __init__(self, path, signatures):
+        self.path, self.pos, self.partial, self.lines = path, 0, "", []
+        self.fatal = [re.compile(p) for p in signatures]
+
+    def poll(self):
+        """Read what was appended; returns (signature, line index) of the first crash hit, or None."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.pos)
+                chunk = fh.read()
+        except OSError:
+            return None
+        self.pos += len(chunk)
+        if not chunk:
+            return None
+        text = self.partial + chunk.decode("utf-8", "replace")
+        new = text.split("\n")
+        self.partial = new.pop()
+        base = len(self.lines)
+        self.lines.extend(new)
+        for i, line in enumerate(new):
+            for rx in self.fatal:
+                if rx.search(line):
+                    return rx.pattern, base + i
+        return None
+
+    def settle(self):
+        """Let a traceback finish writing, then take the rest."""
+        time.sleep(0.3)
+        self.poll()
+        if self.partial:
+            self.lines.append(self.partial)
+            self.partial = ""
+
+    def excerpt(self, hit=None, before=12, after=30, limit=80):
+        """Bounded: the signature line with context, from its Traceback header when one opens
+        shortly before it; without a hit, the tail."""
+        lines = self.lines
+        if hit is None:
+            return lines[-25:]
+        lo = max(0, hit - before)
+        for i in range(hit, max(-1, hit - 60), -1):
+            if "Traceback (most recent call last)" in lines[i]:
+                lo = i
+                break
+        return lines[lo:min(len(lines), hit + after + 1, lo + limit)]
+
+    def last_line(self):
+        for line in reversed(self.lines + ([self.partial] if self.partial else [])):
+            if line.strip():
+                return line
+        return ""
+
+
+def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=None):
+    """Wait until the release answers its health endpoints, dies, logs a crash signature or runs
+    out of time. Returns the outcome dict."""
+    log = LogWatch(os.path.join(release_dir(name), "server.log"), signatures)
+    mask = masker(name)
     started = time.time()
-    lines, pos, partial = [], 0, ""
+    endpoint = health.get("endpoint", "/health")
+    # The model-info check prefers today's /model_info and falls back to the deprecated
+    # /get_model_info of older releases; `model_info: null` turns it off.
+    preferred = health.get("model_info", "/model_info")
+    info_paths = [] if preferred is None else list(dict.fromkeys([preferred, "/model_info", "/get_model_info"]))
+    interval = float(health.get("interval", 2))
     last_progress = 0
 
     def result(state, reason, ex=None):
-        return ({"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
-               "excerpt": ex or []})
+        return {"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
+                "excerpt": [mask(l) for l in (ex or [])], "log": log.path}
 
     while True:
+        hit = log.poll()
+        if hit:
+            log.settle()
+            return result("crashed", "crash signature %r in server.log" % hit[0], log.excerpt(hit[1]))
+        if (server_proc() or {}).get("release") != name:
+            log.settle()
+            tb = any("Traceback (most recent call last)" in l for l in log.lines)
+            return result("crashed", "server exited" + (" after a Traceback" if tb else " during startup"),
+                          log.excerpt())
+        if http_ok(port, endpoint):
+            used = info_ok(port, info_paths) if info_paths else ""
+            if used is not None:
+                return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
+        elapsed = time.time() - started
+        if elapsed > deadline_s:
+            return result("timeout", "not healthy after %ds" % deadline_s, log.lines[-25:])
+        if stop_when and stop_when():
+            return result("abandoned", "stood down")
+        if progress and time.time() - last_progress >= interval:
+            last_progress = time.time()
+            progress({"progress": round(elapsed, 1), "log": mask(log.last_line())[-400:]})
+        time.sleep(min(interval, 0.5))
+
+
+def op_health():
+    def progress(p):
+        sys.stdout.write(json.dumps(p) + "\n")
+        sys.stdout.flush()
+    return gate(ARGS["name"], int(ARGS["port"]), ARGS.get("health") or {}, ARGS.get("signatures", []),
+                float(ARGS["timeout"]), progress)
+
+
+def op_status():
+    cur = current_name()
+    proc = server_proc()
+    out = {"root": ROOT, "current": cur, "release": release_info(cur) if cur else None, "server": proc,
+           "healthy": None, "now": time.time(), "server_info": None}
+    if proc and proc.get("port"):
+        port = int(proc["port"])
+        out["healthy"] = http_ok(port, ARGS.get("endpoint", "/health"))
+        for path in ("/server_info", "/get_server_info"):  # newest spelling first
+            status, body = http_get(port, path)
+            if status == 200:
+                try:
+                    info = json.loads(body)
+                except ValueError:
+                    break
+                mask = masker(proc.get("release"))
+                out["server_info"] = {"version": info.get("version"),
+                                      "launch_command": mask(str(info.get("launch_command") or "")) or None}
+                break
+    return out
+
+
+def op_logs():
+    name = ARGS.get("name") or current_name()
+    if not name:
+        fail("no release deployed under %s" % ROOT)
+    path = os.path.join(release_dir(name), "server.log")
+    if not os.path.exists(path):
+        fail("release %s has no server.log" % name)
+    mask = masker(name)
+    with open(path, "rb") as fh:
+        data = fh.read().decode("utf-8", "replace").splitlines()
+    n = int(ARGS.get("lines", 100))
+    return {"name": name, "path": path, "lines": [mask(l) for l in (data[-n:] if n else [])]}
+
+
+def op_follow():
+    """tail -F, with the release's secrets masked before a line leaves the host."""
+    name = ARGS["name"]
+    path = os.path.join(release_dir(name), "server.log")
+    mask = masker(name)
+    pos = os.path.getsize(path) if os.path.exists(path) else 0
+    partial = ""
+    while True:
         try:
-            with open(log_path, "rb") as fh:
+            with open(path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < pos:
+                    pos = 0  # truncated
                 fh.seek(pos)
                 chunk = fh.read()
                 pos += len(chunk)
@@ -266,61 +531,12 @@ def op_health():
             chunk = b""
         if chunk:
             text = partial + chunk.decode("utf-8", "replace")
-            new = text.split("\n")
-            partial = new.pop()
-            base = len(lines)
-            lines.extend(new)
-            for i, line in enumerate(new):
-                for rx in fatal:
-                    if rx.search(line):
-                        time.sleep(0.3)  # let the traceback finish writing
-                        try:
-                            with open(log_path, "rb") as fh:
-                                fh.seek(pos)
-                                lines.extend((partial + fh.read().decode("utf-8", "replace")).split("\n"))
-                        except OSError:
-                            pass
-                        return result("crashed", "crash signature %r in server.log" % rx.pattern, excerpt(lines, base + i))
-        alive = server_proc() is not None
-        if not alive:
-            if partial:
-                lines.append(partial)
-            tb = any(l.startswith("Traceback (most recent call last)") for l in lines)
-            return result("crashed", "server exited" + (" after a Traceback" if tb else " during startup"), excerpt(lines))
-        if http_ok(port, ARGS.get("endpoint", "/health")) and (
-                not ARGS.get("model_info") or http_ok(port, ARGS["model_info"])):
-            return result("healthy", "%s answered 200" % ARGS.get("endpoint", "/health"))
-        elapsed = time.time() - started
-        if elapsed > timeout:
-            return result("timeout", "not healthy after %ds" % timeout, lines[-25:])
-        if time.time() - last_progress >= interval:
-            last_progress = time.time()
-            tail = (lines[-1] if lines else partial)[-160:]
-            sys.stdout.write(json.dumps({"progress": round(elapsed, 1), "log": tail}) + "\n")
-            sys.stdout.flush()
-        time.sleep(min(interval, 0.5))
-
-
-def op_status():
-    cur = current_name()
-    proc = server_proc()
-    healthy = None
-    if proc and proc.get("port"):
-        healthy = http_ok(int(proc["port"]), ARGS.get("endpoint", "/health"))
-    return ({"root": ROOT, "current": cur, "release": release_info(cur) if cur else None,
-           "server": proc, "healthy": healthy, "now": time.time()})
-
-
-def op_logs():
-    name = ARGS.get("name") or current_name()
-    if not name:
-        fail("no release deployed under %s" % ROOT)
-    path = os.path.join(RELEASES, name, "server.log")
-    if not os.path.exists(path):
-        fail("release %s has no server.log" % name)
-    with open(path, "rb") as fh:
-        data = fh.read().decode("utf-8", "replace").splitlines()
-    return {"name": name, "path": path, "lines": data[-int(ARGS.get("lines", 100)):]}
+            lines = text.split("\n")
+            partial = lines.pop()
+            if lines:
+                sys.stdout.write("".join(mask(l) + "\n" for l in lines))
+                sys.stdout.flush()
+        time.sleep(0.2)
 
 
 def op_prune():
@@ -336,9 +552,183 @@ def op_prune():
     return {"removed": removed}
 
 
-OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "mark": op_mark,
-       "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start, "health": op_health,
-       "status": op_status, "logs": op_logs, "prune": op_prune}
+def op_journal():
+    if ARGS.get("entry"):
+        journal(ARGS["entry"])
+        return {"ok": True}
+    entries = []
+    try:
+        with open(JOURNAL) as fh:
+            for line in fh:
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    n = int(ARGS.get("last") or 0)
+    return {"path": JOURNAL, "entries": entries[-n:] if n else entries}
+
+
+def op_renew():
+    """The controller is alive: push the guard's lease forward."""
+    try:
+        os.utime(os.path.join(release_dir(ARGS["name"]), "lease"))
+        return {"renewed": True}
+    except OSError:
+        return {"renewed": False}
+
+
+# ---- the guard: auto-rollback that survives the controller ----------------------------------
+#
+# Started with the new server. While the controller renews the lease, the guard only watches.
+# When the release is marked (healthy, failed, interrupted) or disarmed, it exits. If the lease
+# runs out first (controller killed, laptop closed, SSH dropped), the guard finishes the health
+# gate itself: a healthy server stays (marked "unconfirmed": the deploy's later gates never ran);
+# a dead, crashed or never-healthy one is rolled back to the previous release, patches included,
+# and the journal says why.
+
+def guard_status(name):
+    return (read_json(os.path.join(release_dir(name), "release.json"), {}) or {}).get("status")
+
+
+def spawn_guard(name, spec):
+    d = release_dir(name)
+    lease = os.path.join(d, "lease")
+    with open(lease, "w"):
+        pass
+    os.chmod(lease, 0o600)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        guard_pid = int(os.read(r, 32) or b"0")
+        os.close(r)
+        os.waitpid(pid, 0)
+        return {"pid": guard_pid, "starttime": proc_starttime(guard_pid), "lease": lease}
+    # First child: new session, fork again so the guard is reparented and outlives this SSH channel.
+    os.close(r)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.write(w, str(os.getpid()).encode())
+    os.close(w)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        run_guard(name, spec, lease)
+    except BaseException as exc:  # the guard must never die silently
+        try:
+            journal({"action": "guard.error", "release": name, "detail": "%s: %s" % (type(exc).__name__, exc)})
+        except Exception:
+            pass
+    os._exit(0)
+
+
+def run_guard(name, spec, lease):
+    started = time.time()
+    lease_timeout = float(spec["lease_timeout"])
+    disarm = os.path.join(release_dir(name), "guard.disarm")
+
+    def standing_down():
+        return os.path.exists(disarm) or guard_status(name) != "deploying" or current_name() != name
+
+    while True:
+        if standing_down():
+            return
+        try:
+            idle = time.time() - os.path.getmtime(lease)
+        except OSError:
+            return
+        if idle > lease_timeout:
+            break
+        time.sleep(1)
+    journal({"action": "guard.takeover", "release": name, "who": "guard on host",
+             "detail": "controller stopped renewing its lease %ds ago" % int(idle)})
+    remaining = max(5.0, float(spec["health_timeout"]) - (time.time() - started))
+    outcome = gate(name, int(spec["port"]), spec.get("health") or {}, spec.get("signatures") or [], remaining,
+                   stop_when=lambda: os.path.exists(disarm) or guard_status(name) != "deploying")
+    if outcome["state"] == "abandoned":
+        return
+    if outcome["state"] == "healthy":
+        write_fields(name, {"status": "unconfirmed", "guard": "controller lost; server healthy, left running; "
+                            "the deploy's later gates did not run"})
+        journal({"action": "guard.keep", "release": name, "outcome": "unconfirmed",
+                 "detail": "controller lost; release healthy (%s); left running" % outcome["reason"]})
+        return
+    guard_rollback(name, spec, outcome)
+
+
+def write_fields(name, fields):
+    path = os.path.join(release_dir(name), "release.json")
+    meta = read_json(path, {}) or {}
+    meta.update(fields)
+    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+
+
+def guard_rollback(name, spec, outcome):
+    owner = {"id": "guard-%d" % os.getpid(), "who": "servops guard on host", "action": "guard rollback of " + name,
+             "host_pid": os.getpid(), "host_starttime": proc_starttime(os.getpid())}
+    held, _age, _readable = lock_state()
+    # The dead controller's lock is ours to take over: the guard acts for that deploy.
+    if held is not None and held.get("id") == spec.get("lock_id"):
+        os.unlink(LOCKFILE)
+    took = take_lock(dict(owner, acquired_at=now_iso()))
+    why = "controller lost and the release %s: %s" % (outcome["state"], outcome["reason"])
+    stop_server(float(spec.get("stop_grace", 30)))
+    target = spec.get("previous")
+    if not target:
+        write_fields(name, {"status": "failed", "failure": why + "; no earlier release: server stopped"})
+        journal({"action": "guard.rollback", "release": name, "outcome": "server stopped", "detail": why})
+        if took:
+            os.unlink(LOCKFILE)
+        return
+    problems = []
+    for step in spec.get("patch_plan") or []:
+        try:
+            if step["action"] == "apply":
+                do_apply(step["patch"])
+            else:
+                do_revert(step["patch"])
+        except SystemExit:
+            problems.append("%s %s failed" % (step["action"], step["patch"]["name"]))
+    write_fields(name, {"status": "failed", "failure": why})
+    switch_to(target["name"])
+    start_server(target["name"], target.get("port"))
+    back = gate(target["name"], int(target.get("port")), target.get("health") or {}, spec.get("signatures") or [],
+                float((target.get("health") or {}).get("timeout", 1200)))
+    write_fields(target["name"], {"status": "healthy" if back["state"] == "healthy" else "failed",
+                                  "rolled_back_at": now_iso(), "rolled_back_by": "guard"})
+    journal({"action": "guard.rollback", "release": name, "to": target["name"],
+             "outcome": "rolled back" if back["state"] == "healthy" else "rollback failed: " + back["reason"],
+             "detail": why + ("; " + "; ".join(problems) if problems else "")})
+    if took:
+        held, _a, _r = lock_state()
+        if held and held.get("id") == owner["id"]:
+            os.unlink(LOCKFILE)
+
+
+def op_disarm():
+    path = os.path.join(release_dir(ARGS["name"]), "guard.disarm")
+    with open(path, "w"):
+        pass
+    return {"disarmed": True}
+
+
+OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "discard": op_discard,
+       "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
+       "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
+       "journal": op_journal, "renew": op_renew, "disarm": op_disarm}
+
+
+def run_op(op):
+    injected = ARGS.get("_fail") or ""
+    fail_op, _, suffix = injected.partition(":")
+    if injected and fail_op == op and str(ARGS.get("name") or "").endswith(suffix):
+        fail("%s failed: [Errno 28] No space left on device (injected by SERVOPS_INJECT_FAILURE)" % op)
+    return OPS[op]()
 
 
 def op_batch():
@@ -349,11 +739,11 @@ def op_batch():
         ARGS.clear()
         ARGS.update(common)
         ARGS.update(step)
-        results.append(OPS[step["op"]]())
+        results.append(run_op(step["op"]))
     return {"results": results}
 
 
 OPS["batch"] = op_batch
-out = OPS[ARGS["op"]]()
+out = run_op(ARGS["op"])
 out["site"] = []
 reply(out)

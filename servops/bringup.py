@@ -1,0 +1,111 @@
+"""Restarting a server onto a release: stop the old one, switch `current`, start, health-gate.
+
+The health gate runs ON the host (one SSH command for the whole wait; its progress lines drive
+the display here). A deploy's start also arms the host-side guard (servops/remote/deploy_ctl.py):
+while this controller renews the guard's lease, the guard only watches; if the controller dies
+before the release is marked, the guard finishes the gate and rolls back by itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from . import releases, shell
+from .progress import Phases
+from .transport import HostSession
+
+DEFAULT_SIGNATURES = [r"torch\._dynamo\.exc\.Unsupported", r"CUDA out of memory"]
+DEFAULT_HEALTH_TIMEOUT = 1200.0
+DEFAULT_LEASE_TIMEOUT = 60.0
+
+
+def health_timeout(hs: HostSession, health: dict) -> float:
+    """One precedence: the variant's health.timeout wins; the inventory's health_timeout is the
+    default for variants that do not set one; else 1200 s."""
+    if health.get("timeout") is not None:
+        return float(health["timeout"])
+    if hs.host.get("health_timeout") is not None:
+        return float(hs.host.get("health_timeout"))
+    return DEFAULT_HEALTH_TIMEOUT
+
+
+def signatures(meta: dict) -> list[str]:
+    return list(dict.fromkeys(list(meta.get("crash_signatures") or []) + DEFAULT_SIGNATURES))
+
+
+@dataclass
+class Node:
+    """One host's part of a bring-up: its session, target release, and that release's record."""
+    hs: HostSession
+    name: str
+    meta: dict
+    root: str
+    guard: dict | None = None  # deploy only: what the host guard needs to roll back alone
+    extra: dict = field(default_factory=dict)
+
+
+class LeaseKeeper:
+    """Renews the guard's lease (touch of <release>/lease) from a thread while the deploy runs."""
+
+    def __init__(self, nodes: list[Node], every: float):
+        self.nodes = [n for n in nodes if n.guard]
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="servops-lease", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            for n in self.nodes:
+                try:
+                    n.hs.run(f"touch -c -- {shell.quote(n.root + '/releases/' + n.name + '/lease')}", timeout=20)
+                except Exception:  # noqa: BLE001 - a missed renewal is what the guard is for
+                    pass
+
+    def __enter__(self) -> "LeaseKeeper":
+        if self.nodes:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+
+def stop_switch_start(nodes: list[Node], phases: Phases) -> None:
+    """Stop what runs, point `current` at each node's release, start rank 0 first."""
+    for n in nodes:
+        grace = float(n.meta.get("stop_grace", 30))
+        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)")
+        releases.batch(n.hs, {"op": "stop", "grace": grace,
+                              "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
+                       {"op": "switch", "name": n.name}, ssh_timeout=int(grace) + 60)
+    for n in nodes:  # rank 0 first
+        phases.step("start", f"{n.hs.host.name}: starting {n.name}" + (" (guard armed)" if n.guard else ""))
+        releases.ctl(n.hs, "start", name=n.name, port=int(n.meta["port"]), guard=n.guard)
+
+
+def health_gate(node: Node, phases: Phases, label: str) -> dict:
+    health = node.meta.get("health") or {}
+    timeout = health_timeout(node.hs, health)
+    phases.step("health", f"waiting up to {timeout:g}s for {health.get('endpoint', '/health')}")
+    with phases.wait(label, timeout) as wait:
+        return releases.ctl(node.hs, "health", ssh_timeout=int(timeout) + 120,
+                            on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
+                            name=node.name, port=int(node.meta["port"]), health=health, timeout=timeout,
+                            signatures=signatures(node.meta))
+
+
+def bring_up(nodes: list[Node], phases: Phases, label: str) -> dict:
+    """Stop, switch, start, health-gate rank 0; other ranks of a multi-node server have no HTTP
+    endpoint of their own and must merely still be running."""
+    stop_switch_start(nodes, phases)
+    outcome = health_gate(nodes[0], phases, label)
+    if outcome["state"] == "healthy":
+        for n in nodes[1:]:
+            if (releases.ctl(n.hs, "status")["server"] or {}).get("release") != n.name:
+                return {"state": "crashed", "reason": f"rank on {n.hs.host.name} exited", "elapsed": outcome["elapsed"],
+                        "excerpt": releases.ctl(n.hs, "logs", name=n.name, lines=30)["lines"],
+                        "log": f"{n.root}/releases/{n.name}/server.log"}
+    return outcome

@@ -1,0 +1,71 @@
+"""Making a host's applied patch set equal a release's: plan (read-only), apply, undo.
+
+"Applied" comes from the FILES (the host's patch program probes them and reconciles its state
+file), so a patch applied but never recorded is still reverted when a release does not want it.
+"""
+
+from __future__ import annotations
+
+from . import patching, patchstore
+from .errors import ServopsError
+from .transport import HostSession
+
+
+class PatchPlanError(ServopsError):
+    pass
+
+
+def plan(hs: HostSession, wanted: list[str]) -> list[tuple[str, patchstore.Patch]]:
+    """(action, patch) pairs that make the applied set equal `wanted`; refuses what cannot work."""
+    store = {p.name: p for p in patchstore.all_patches()}
+    missing = [n for n in wanted if n not in store]
+    if missing:
+        raise PatchPlanError(f"the variant needs patch {missing[0]!r}, which is not under {patchstore.PATCH_ROOT}/")
+    actions = []
+    for row in patching.status(hs, list(store.values())):
+        name = row["patch"]
+        if name in wanted and row["state"] != patching.APPLIED:
+            if row["state"] in (patching.CONFLICTS, patching.NOT_INSTALLED, patching.MISMATCH):
+                raise PatchPlanError(f"{hs.host.name}: required patch {name} is {row['state']} "
+                                     f"({row['dist']} {row['version'] or '-'}); see invoke patch.status")
+            actions.append(("apply", store[name]))
+        elif name not in wanted and row["state"] == patching.APPLIED:
+            actions.append(("revert", store[name]))
+    return actions
+
+
+def run(hs: HostSession, actions: list[tuple[str, patchstore.Patch]], show_diff: bool = False,
+        done: list | None = None) -> list[str]:
+    """Carry out a plan; `done` collects what changed (for `undo`). Returns 'apply X' lines."""
+    lines = []
+    for action, patch in actions:
+        res = patching.apply(hs, patch) if action == "apply" else patching.revert(hs, patch)
+        if res["status"] == patching.CHANGED:
+            if done is not None:
+                done.append((action, patch))
+            lines.append(f"{action} {patch.name}")
+            if show_diff:
+                patching.print_diff(hs.host.name, res["diff"])
+    return lines
+
+
+def undo(hs: HostSession, done: list[tuple[str, patchstore.Patch]]) -> None:
+    """Reverse what `run` changed, newest first."""
+    for action, patch in reversed(done):
+        if action == "apply":
+            patching.revert(hs, patch)
+        else:
+            patching.apply(hs, patch, force=True)
+
+
+def sync(hs: HostSession, wanted: list[str], show_diff: bool = False) -> list[str]:
+    return run(hs, plan(hs, wanted), show_diff)
+
+
+def between(current: list[str], target: list[str]) -> list[dict]:
+    """The host guard's plan: from a release's patch set back to another's, as patch specs."""
+    store = {p.name: p for p in patchstore.all_patches()}
+    steps = [{"action": "revert", "patch": store[n].remote_spec()} for n in reversed(current)
+             if n not in target and n in store]
+    steps += [{"action": "apply", "patch": store[n].remote_spec()} for n in target if n not in current and n in store]
+    return steps
