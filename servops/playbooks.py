@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from .errors import ServopsError
+from .schema import SchemaError, check_variant
 
 PLAYBOOK_ROOT = Path(os.environ.get("SERVOPS_PLAYBOOKS") or Path(__file__).resolve().parent.parent / "playbooks")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -22,7 +23,9 @@ KNOWN_KEYS = {"extends", "template", "server_args", "env", "patches", "health", 
               "stop_grace", "description", "nnodes"}
 _MAPS = ("server_args", "env", "health")
 _LISTS = ("patches", "crash_signatures")
-DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/get_model_info", "timeout": 1200, "interval": 2}
+# No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
+# else 1200 s (servops.bringup.health_timeout).
+DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
 
 
 class VariantError(ServopsError):
@@ -43,6 +46,10 @@ def _read(name: str, root: Path) -> dict:
         raise VariantError(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
     if not isinstance(data, dict):
         raise VariantError(f"{path}: must be a mapping")
+    try:
+        data = check_variant(data, str(path))
+    except SchemaError as exc:
+        raise VariantError(str(exc)) from None
     unknown = set(data) - KNOWN_KEYS
     if unknown:
         raise VariantError(f"{path}: unknown key '{sorted(unknown)[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})")

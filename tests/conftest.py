@@ -106,7 +106,7 @@ class LabFactory:
         return d
 
     def inventory(self, n_hosts: int = 1, known: bool = True, host_vars: dict | None = None,
-                  group_vars: dict | None = None) -> Path:
+                  group_vars: dict | None = None, filename: str = "inventory.yml") -> Path:
         lab = yaml.safe_load((REPO / "inventory" / "lab.yml").read_text())
         template_hosts = lab["all"]["children"]["lab"]["hosts"]
         names = list(template_hosts)[:n_hosts]
@@ -127,7 +127,7 @@ class LabFactory:
                      env={"CUDA_HOME": str(self.cuda_home())})
         gvars.update(group_vars or {})
         lab["all"]["children"]["lab"] = {"hosts": hosts, "vars": gvars}
-        path = self.tmp / "inventory.yml"
+        path = self.tmp / filename
         path.write_text(yaml.safe_dump(lab, sort_keys=False))
         return path
 
