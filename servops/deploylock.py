@@ -16,6 +16,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+from . import interrupt
 from .errors import ServopsError, TransportError
 from .output import err_console
 from .provenance import operator
@@ -91,7 +92,8 @@ def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int 
         yield res
     finally:
         try:
-            ctl(hs, "unlock", id=owner["id"])
+            with interrupt.handling():  # an interrupted operation still releases its lock
+                ctl(hs, "unlock", id=owner["id"])
         except (TransportError, ServopsError):
             pass  # a lost connection leaves a lock whose owner pid is gone: the next run breaks it
 

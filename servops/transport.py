@@ -85,6 +85,13 @@ def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
 _warned: set[tuple[str, int]] = set()
 
 
+def lab_hint(host: Host) -> str:
+    """A host of servops' own lab (group `lab`, on loopback): say how to start it."""
+    if "lab" in host.groups and host.ssh_host.startswith("127."):
+        return f"; is the lab up? invoke lab.up -H {host.name}"
+    return ""
+
+
 def load_known_hosts(client: paramiko.SSHClient, path: str) -> None:
     """Like OpenSSH: a malformed line is skipped with a warning naming the file and line, and
     every other host's key still counts (paramiko would refuse the whole file)."""
@@ -122,7 +129,7 @@ def _secure(conn: Connection, host: Host) -> Connection:
     elif not host.accept_new_host_keys:
         raise HostKeyError(
             f"{host.name}: known_hosts file {known} does not exist; create it with the host's key "
-            f"(ssh-keyscan -p {host.ssh_port} {host.ssh_host}) or set accept_new_host_keys: true"
+            f"(ssh-keyscan -p {host.ssh_port} {host.ssh_host}) or set accept_new_host_keys: true{lab_hint(host)}"
         )
     if host.accept_new_host_keys:
         client.set_missing_host_key_policy(_AcceptNewKey(known))
@@ -258,10 +265,7 @@ class HostSession:
         return float(self.host.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT))
 
     def _lab_hint(self) -> str:
-        """A host of servops' own lab (group `lab`, on loopback): say how to start it."""
-        if "lab" in self.host.groups and self.host.ssh_host.startswith("127."):
-            return f"; is the lab up? invoke lab.up -H {self.host.name}"
-        return ""
+        return lab_hint(self.host)
 
     def run(self, command: str, stdin: str | bytes | None = None, timeout: int | None = None,
             check: bool = False, on_output: Callable[[str], None] | None = None) -> CommandResult:

@@ -70,7 +70,7 @@ def up(hosts: list[Host]) -> list[str]:
         if not (work / "ssh_host_ed25519_key").exists():
             keygen(work / "ssh_host_ed25519_key")
         (work / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
-        srv = SshServer(address, port, work, work / "ssh_host_ed25519_key", key, getpass.getuser())
+        srv = SshServer(address, port, work, work / "ssh_host_ed25519_key", key, getpass.getuser(), home=Path.home())
         if not _running(work / "lab.json"):
             srv.start()
             pid = srv.proc.pid

@@ -52,6 +52,7 @@ class SshServer:
     client_key: Path
     user: str
     proc: subprocess.Popen | None = None
+    home: Path | None = None  # the "host's" HOME (the lab: the home of whoever ran lab.up)
 
     @property
     def known_hosts_line(self) -> str:
@@ -72,6 +73,7 @@ class SshServer:
             "PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\nMaxStartups 100:30:200\n"
             "MaxSessions 100\nAllowTcpForwarding yes\nPrintMotd no\nLogLevel ERROR\n"
             f"Subsystem sftp internal-sftp\nAllowUsers {self.user}\n"
+            + (f"SetEnv HOME={self.home}\n" if self.home else "")
         )
         self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "sshd.log", "ab"), start_new_session=True)

@@ -447,7 +447,9 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
         hit = log.poll()
         if hit:
             log.settle()
-            return result("crashed", "crash signature %r in server.log" % hit[0], log.excerpt(hit[1]))
+            line = mask(log.lines[hit[1]].strip())
+            return result("crashed", "crash signature %s matched in server.log: %s"
+                          % (hit[0], line if len(line) <= 200 else line[:197] + "..."), log.excerpt(hit[1]))
         if (server_proc() or {}).get("release") != name:
             log.settle()
             tb = any("Traceback (most recent call last)" in l for l in log.lines)
