@@ -1,0 +1,204 @@
+# Log normalisation for diagnose. Standard library only: it runs locally (`--offline`) and on the
+# host inside the diagnose program (shipped before tracebacks.py).
+#
+# Real server logs prefix every line, and differently per tool: SGLang's `[2025-.. TP3] `, vLLM's
+# `(Worker_TP2 pid=99) ERROR 06-26 23:10:17 [multiproc_executor.py:527] `, Ray's
+# `(SGLangEngine pid=952, ip=10.0.0.1) `, torchrun's `[rank0]:`, Kubernetes CRI
+# `2025-..+08:00 stdout F `, docker compose `sglang-1  | `, journald, CI timestamps, ANSI colours,
+# CR line ends. normalise() strips them, learns unknown leading tags from the lines that carry a
+# Traceback header or an error, and says which rank/process each line came from so multi-rank
+# logs can be read one stream at a time.
+import re as _re
+
+_ANSI = _re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
+# A colour code whose ESC was lost in a copy/paste shows up as `[36m`, `←[0m`, or `^[[0m`.
+_BARE_ANSI = _re.compile(r"(?:\^\[|←)?\[(?:\d{1,3}(?:;\d{1,3})*)?m")
+_RAY_REPEAT = _re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
+_LEVEL = r"(?:TRACE|DEBUG|INFO|NOTICE|WARN|WARNING|ERROR|CRITICAL|FATAL)"
+_RANK_TOKEN = _re.compile(r"(?:^|[_\s])((?:ATTN_)?(?:DP|TP|PP|EP|CP|MOE_DP)\d+)(?=$|[_\s])")
+
+# (name, regex, kind). kind "proc": a tag naming the process that wrote the line (every line of
+# it carries one); "record": the header of one log record naming its rank (continuation lines
+# carry none); "header": a record header that names no rank (level, time); "transport": a stamp
+# the log collector put on every line (CRI, docker -t, CI).
+_PREFIXES = [
+    ("cri", _re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d) (?:stdout|stderr) [FP] ?"), "transport"),
+    ("sglang", _re.compile(r"\[(?:\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)?(?P<ranks>(?: (?:ATTN_)?(?:DP|TP|PP|EP|CP|MOE_DP)\d+)+)?\] ?"), "record"),
+    ("sglang-gpu", _re.compile(r"\[gpu=(?P<gpu>\d+)\] ?"), "record"),
+    ("proc", _re.compile(r"\((?P<name>[^()\n]{1,80}?),? pid=(?P<pid>\d+)(?:, ip=[^)\n]*)?\) ?"), "proc"),
+    ("torchrun", _re.compile(r"\[(?:default)?rank(?P<rank>\d+)\]: ?"), "record"),
+    ("iso-t", _re.compile(r"\[?\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?: |$)"), "transport"),
+    ("iso", _re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: |$)"), "header"),
+    ("glog", _re.compile(r"\[[EWIFD](?:\d{3,4} \d\d:\d\d:\d\d\.\d+(?: \d+)?)? ?[\w.]+:\d+\] ?"), "header"),
+    ("glog2", _re.compile(r"[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\] ?"), "header"),
+    ("vllm", _re.compile(r"(?P<level>" + _LEVEL + r") (?:\d{4}-)?\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (?:\[[^\]\n]*\]|[\w.]+:\d+\]) ?"), "header"),
+    ("level-ts", _re.compile(r"(?:\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)? ?(?:(?P<level>" + _LEVEL + r")\b:? *)?"), "header"),
+    ("loguru", _re.compile(r"\| ?(?P<level>" + _LEVEL + r") *\| [^\s|]+ - "), "header"),
+    ("level", _re.compile(r"(?P<level>" + _LEVEL + r"):? +(?=\S)"), "header"),
+    ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
+    ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
+]
+# Headers that open a new log record: what follows them is not the continuation of a message.
+_NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
+_LEARN_ANCHOR = _re.compile(
+    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|"
+    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
+_UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
+
+
+class Line(object):
+    """One log line without its prefixes. `stream`: the rank/process it came from ("" = main);
+    `level`: the log level its header gave; `new_record`: a header opened a new log record."""
+
+    __slots__ = ("no", "text", "stream", "rank", "level", "new_record")
+
+    def __init__(self, no, text, stream="", rank="", level=None, new_record=False):
+        self.no, self.text, self.stream, self.rank = no, text, stream, rank
+        self.level, self.new_record = level, new_record
+
+    def __repr__(self):
+        return "Line(%d, %r, stream=%r)" % (self.no, self.text, self.stream)
+
+
+def _clean(raw):
+    line = raw
+    if line.endswith("\r"):
+        line = line.rstrip("\r")
+    if line.endswith("^M"):
+        line = line[:-2]
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
+    if "[0m" in line or "\u2190[" in line or "^[[" in line:
+        line = _BARE_ANSI.sub("", line)
+    if "across cluster]" in line:
+        line = _RAY_REPEAT.sub("", line)
+    return line
+
+
+def _rank_of_proc(name, pid):
+    m = _re.search(r"\brank=(\d+)", name)
+    if m:
+        return "rank" + m.group(1)
+    tokens = _RANK_TOKEN.findall(name.replace(" ", "_"))
+    if tokens:
+        return " ".join(tokens)
+    return "%s pid=%s" % (name.strip(), pid)
+
+
+def strip_prefixes(line, learned=()):
+    """(text, tags): the line without its known prefixes; tags = [(name, kind, label, level)]."""
+    tags = []
+    text = line
+    for _ in range(12):
+        for rx in learned:
+            m = rx.match(text)
+            if m and m.end():
+                text = text[m.end():]
+                tags.append(("learned", "transport", None, None))
+                break
+        else:
+            for name, rx, kind in _PREFIXES:
+                m = rx.match(text)
+                if not m or not m.end():
+                    continue
+                groups = m.groupdict()
+                label = None
+                if name == "proc":
+                    label = _rank_of_proc(groups["name"], groups["pid"])
+                elif name == "sglang":
+                    label = (groups.get("ranks") or "").strip()
+                elif name == "sglang-gpu":
+                    label = "gpu" + groups["gpu"]
+                elif name == "torchrun":
+                    label = "rank" + groups["rank"]
+                elif name == "compose":
+                    label = groups["svc"]
+                elif name == "journal":
+                    label = groups["prog"] + ("[%s]" % groups["jpid"] if groups.get("jpid") else "")
+                tags.append((name, kind, label, groups.get("level")))
+                text = text[m.end():]
+                break
+            else:
+                break
+    return text, tags
+
+
+def _generalise(tag):
+    """A regex for an unknown leading tag: digits and hex generalised, the rest literal."""
+    out = []
+    for part in _re.split(r"(\d+)", tag):
+        out.append(r"\d+" if part.isdigit() else _re.escape(part))
+    return "".join(out)
+
+
+def learn_prefixes(raw_lines, limit=2000):
+    """Unknown tags at the start of lines that hold a Traceback header or an error, as regexes.
+
+    `[VLLM LOG] (Worker_TP3 pid=1) ERROR ...Traceback` teaches `\\[VLLM LOG\\] `: after it the
+    known prefixes apply again."""
+    learned = []
+    seen = set()
+    for raw in raw_lines:
+        if len(learned) >= 4 or limit <= 0:
+            break
+        if not _LEARN_ANCHOR.search(raw):
+            continue
+        limit -= 1
+        text, _ = strip_prefixes(_clean(raw))
+        m = _UNKNOWN_TAG.match(text)
+        if not m:
+            continue
+        after, tags = strip_prefixes(text[m.end():])
+        # Only a tag followed by a known prefix, or by the anchor itself, is a prefix.
+        if not tags and not _LEARN_ANCHOR.match(after) and not after.startswith(("Traceback", "terminate")):
+            continue
+        rx = _generalise(m.group(0))
+        if rx not in seen:
+            seen.add(rx)
+            learned.append(_re.compile(rx))
+    return learned
+
+
+def normalise(text):
+    """Every line without its prefixes, with the rank/process (stream) that wrote it."""
+    raw_lines = text.splitlines()
+    learned = learn_prefixes(raw_lines)
+    out = []
+    current = ""          # stream of the last record header: its continuation lines follow it
+    follows = False       # whether untagged lines continue that record
+    ranks = {"": ""}      # stream -> the rank its last record header named
+    for no, raw in enumerate(raw_lines, 1):
+        body, tags = strip_prefixes(_clean(raw), learned)
+        proc = [t[2] for t in tags if t[1] == "proc"]
+        record = [t[2] for t in tags if t[1] == "record"]
+        levels = [t[3] for t in tags if t[3]]
+        if proc:
+            # The innermost process tag names the writer; a rank in a record header refines it.
+            stream = proc[-1]
+            if record and record[-1]:
+                ranks[stream] = record[-1]
+            ranks.setdefault(stream, stream)
+            current, follows = stream, False
+        elif record:
+            stream = record[-1] or ""
+            ranks[stream] = stream
+            current, follows = stream, True
+        else:
+            # SGLang and torch's C++ log prefix only the first line of a record; after a
+            # process-tagged line an untagged one comes from the main process.
+            stream = current if follows else ""
+        out.append(Line(no, body, stream, ranks.get(stream, stream), levels[-1].upper() if levels else None,
+                        any(t[0] in _NEW_RECORD for t in tags)))
+    return out
+
+
+def streams(lines):
+    """De-interleave: the lines of each stream, in order; streams in order of first appearance."""
+    order = []
+    by = {}
+    for ln in lines:
+        if ln.stream not in by:
+            by[ln.stream] = []
+            order.append(ln.stream)
+        by[ln.stream].append(ln)
+    return [(s, by[s]) for s in order]
