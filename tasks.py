@@ -348,32 +348,27 @@ def releases_(c, hosts=None, inventory=None):
 
 
 @servops_task(help={
-    "release": "Release whose server.log to read (default: current).",
-    "log": "A local log file instead (frames are still resolved on the host).",
-    "explain": "Show the call chain from the capture entry point to the failing call.",
+    "release": "Release NAME as `invoke releases` lists it (default: after an automatic rollback the most "
+               "recent failed release, else the current one).",
+    "log": "A local log file instead of a release's server.log (its frames are still resolved on the host).",
+    "offline": "With --log: diagnose here, without a host (no source context or version checks).",
+    "json": "Print one JSON object per failure (category, entry, root/final exception, frames, ranks); "
+            "the verdict goes to stderr.",
+    "explain": "Show the call chain from the entry point (e.g. the graph capture) to the failing call.",
     "context": "Source lines shown around each frame.",
-})
-def diagnose(c, release="", log="", explain=False, context=3, hosts=None, inventory=None):
-    """Explain crashes: tracebacks in the log, source of every frame, known-issue matches."""
-    from pathlib import Path
+    "allow_outside": "Also read frame files outside the host venv's site-packages and stdlib.",
+}, bounds={"context": (0, 200)})
+def diagnose(c, release="", log="", offline=False, json=False, explain=False, context=3, allow_outside=False,
+             hosts=None, inventory=None):
+    """Explain crashes: failures in the log, each frame's host source, known issues. Exit 0 matched or clean, 1 unexplained errors."""
+    from invoke import Exit
 
     from servops import diagnose as dg
 
-    issues = dg.known_issues()
-    log_text = None
-    if log:
-        if not Path(log).is_file():
-            raise dg.DiagnoseError(f"--log {log!r}: no such local file")
-        log_text = Path(log).read_text(errors="replace")
-
-    def op(hs):
-        res = dg.diagnose(hs, release or None, log_text, int(context))
-        return OK, f"{len(res['tracebacks'])} traceback(s)", res
-
-    run = on_hosts(inventory, hosts, op)
-    for h, res in run.each():
-        dg.print_report(h.name, res, issues, explain)
-    return run.recap
+    code = dg.run(release=release, log=log, offline=offline, as_json=json, explain=explain, context=context,
+                  allow_outside=allow_outside, hosts=hosts, inventory=inventory)
+    if code:
+        raise Exit(code=code)
 
 
 @servops_task(name="up")

@@ -429,21 +429,26 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
         for t in cur:
             _print_frames(p, "current thread" if t["current"] else "first thread dumped", t["frames"], offline)
     for exc in f.get("chain") or []:
-        label = exc.get("type") or "exception"
-        _print_frames(p, f"traceback of {label}", exc["frames"], offline)
+        label = f"traceback of {exc['type']}" if exc.get("type") else "traceback (its exception line is not in the log)"
+        _print_frames(p, label, exc["frames"], offline)
         _print_frames(p, "traced by dynamo (from user code)", exc["user_frames"], offline)
     differ = [fr for fr in finding_frames(f) if fr.get("same_code") is False]
     if differ:
         dists = sorted({f"{fr['dist']} {fr.get('version') or ''}".strip() for fr in differ if fr.get("dist")})
         p.line((f"warning: {len(differ)} frame(s) show code this host does not have at that line: the log came from "
                 f"another version" + (f" (host: {', '.join(dists)})" if dists else ""), "yellow"))
-    for hit in hits:
+    if hits:
+        hit = hits[0]
         p.line(("known issue ", "bold yellow"), (hit["id"], "bold yellow"), f" ({hit['category']}): ", hit["title"])
         p.line(" ".join(str(hit["explanation"]).split()), indent=2)
         for key, value in (hit.get("suggest") or {}).items():
             p.line(f"suggest {key}: ", str(value), indent=2)
         if hit.get("link"):
             p.line("see: ", hit["link"], indent=2)
+        if len(hits) > 1:
+            p.line("also matches (less specific): ", ", ".join(f"{h['id']} ({h['category']})" for h in hits[1:]), indent=2)
+    else:
+        p.line(("no known issue matches this failure", "dim"))
     if explain:
         p.line(("call chain", "bold"))
         for depth, step in enumerate(call_chain(f, hits[0].get("entry") if hits else None)):
@@ -473,7 +478,9 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         sys.stdout.flush()
         return rep
     where = result.get("source") or "log"
-    if result.get("release"):
+    if offline:
+        p.line((f"{host}: ", "bold"), f"{where} (offline: frames as the log shows them)")
+    elif result.get("release"):
         status = result.get("release_status") or "unknown"
         p.line((f"{host}: ", "bold"), f"release {result['release']} ({status}; {result.get('why', '')}): {where}")
     else:
@@ -498,7 +505,7 @@ def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=
 
 
 def run(*, release: str = "", log: str = "", offline: bool = False, as_json: bool = False, explain: bool = False,
-        context="3", allow_outside: bool = False, hosts: str | None = None, inventory: str | None = None) -> int:
+        context: int = 3, allow_outside: bool = False, hosts: str | None = None, inventory: str | None = None) -> int:
     """The diagnose verb. Returns the exit code: 0 matched or clean, 1 errors but no known issue,
     2 bad input or a host that could not be read."""
     from .cli import on_hosts, select
@@ -542,8 +549,9 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
         rep = report(host.name, res, issues, explain=explain, as_json=as_json, redact=redact)
         reports.append(rep)
         vr.recap.mark(host.name, OK, rep.verdict)
-    if not as_json or vr.recap.failed:
-        vr.recap.render(err_console if as_json else None)
+    if as_json:
+        vr.recap.machine_output = True   # stdout carries only the JSON objects
+    vr.recap.render()
     print_verdicts(reports, as_json)
     if vr.recap.failed:
         return 2

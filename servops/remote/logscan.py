@@ -38,21 +38,33 @@ _PREFIXES = [
     ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
     ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
 ]
+# Which prefixes can start with a given character (most lines start with none of them: this keeps
+# a 16 MiB log to a few regex attempts per line).
+_BY_FIRST = {}
+for _name, _rx, _kind in _PREFIXES:
+    _first = {"cri": "0123456789", "iso-t": "[0123456789", "iso": "0123456789", "level-ts": "0123456789",
+              "sglang": "[", "sglang-gpu": "[", "torchrun": "[", "glog": "[", "proc": "(", "loguru": "|",
+              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF",
+              "journal": "JFMASOND"}.get(_name)
+    for _c in (_first or "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"):
+        _BY_FIRST.setdefault(_c, []).append((_name, _rx, _kind))
 # Headers that open a new log record: what follows them is not the continuation of a message.
 _NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
 _LEARN_ANCHOR = _re.compile(
-    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|"
-    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
+    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|File \"[^\"]+\", line \d+|"
+    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*(?=[A-Z])\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
+_ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Exception", "Unsupported", "OutOfResources")
 _UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
 
 
 class Line(object):
     """One log line without its prefixes. `stream`: the rank/process it came from ("" = main);
-    `level`: the log level its header gave; `new_record`: a header opened a new log record."""
+    `level`: the log level its header gave; `new_record`: the header that opened a new log record
+    on this line (None: the line continues a record)."""
 
     __slots__ = ("no", "text", "stream", "rank", "level", "new_record")
 
-    def __init__(self, no, text, stream="", rank="", level=None, new_record=False):
+    def __init__(self, no, text, stream="", rank="", level=None, new_record=None):
         self.no, self.text, self.stream, self.rank = no, text, stream, rank
         self.level, self.new_record = level, new_record
 
@@ -86,7 +98,7 @@ def _rank_of_proc(name, pid):
 
 
 def strip_prefixes(line, learned=()):
-    """(text, tags): the line without its known prefixes; tags = [(name, kind, label, level)]."""
+    """(text, tags): the line without its known prefixes; tags = [(name, kind, label, level, text)]."""
     tags = []
     text = line
     for _ in range(12):
@@ -94,10 +106,10 @@ def strip_prefixes(line, learned=()):
             m = rx.match(text)
             if m and m.end():
                 text = text[m.end():]
-                tags.append(("learned", "transport", None, None))
+                tags.append(("learned", "transport", None, None, m.group(0)))
                 break
         else:
-            for name, rx, kind in _PREFIXES:
+            for name, rx, kind in _BY_FIRST.get(text[:1], ()):
                 m = rx.match(text)
                 if not m or not m.end():
                     continue
@@ -115,7 +127,7 @@ def strip_prefixes(line, learned=()):
                     label = groups["svc"]
                 elif name == "journal":
                     label = groups["prog"] + ("[%s]" % groups["jpid"] if groups.get("jpid") else "")
-                tags.append((name, kind, label, groups.get("level")))
+                tags.append((name, kind, label, groups.get("level"), m.group(0)))
                 text = text[m.end():]
                 break
             else:
@@ -141,7 +153,7 @@ def learn_prefixes(raw_lines, limit=2000):
     for raw in raw_lines:
         if len(learned) >= 4 or limit <= 0:
             break
-        if not _LEARN_ANCHOR.search(raw):
+        if not any(k in raw for k in _ANCHOR_WORDS) or not _LEARN_ANCHOR.search(raw):
             continue
         limit -= 1
         text, _ = strip_prefixes(_clean(raw))
@@ -150,7 +162,7 @@ def learn_prefixes(raw_lines, limit=2000):
             continue
         after, tags = strip_prefixes(text[m.end():])
         # Only a tag followed by a known prefix, or by the anchor itself, is a prefix.
-        if not tags and not _LEARN_ANCHOR.match(after) and not after.startswith(("Traceback", "terminate")):
+        if not tags and not _LEARN_ANCHOR.match(after.lstrip()):
             continue
         rx = _generalise(m.group(0))
         if rx not in seen:
@@ -187,8 +199,9 @@ def normalise(text):
             # SGLang and torch's C++ log prefix only the first line of a record; after a
             # process-tagged line an untagged one comes from the main process.
             stream = current if follows else ""
+        headers = [t[4] for t in tags if t[0] in _NEW_RECORD]
         out.append(Line(no, body, stream, ranks.get(stream, stream), levels[-1].upper() if levels else None,
-                        any(t[0] in _NEW_RECORD for t in tags)))
+                        headers[-1] if headers else None))
     return out
 
 

@@ -54,8 +54,19 @@ _MAX_DETAILS = 40
 _MAX_FINDINGS = 60
 
 
+# Every error class needs one of these words: a cheap test before the regexes.
+_ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "misaligned", "launch failure", "Watchdog",
+                "NCCL", "nccl", "Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Piecewise",
+                "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
+                "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
+                "to start", "initialization failed", "WorkerProc", "xit", "died with")
+_EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
+
+
 def classify(text):
     """The error class of a line ("cuda", "nccl", ...), or None."""
+    if not any(w in text for w in _ERROR_WORDS):
+        return None
     for name, rx in _ERROR_CLASSES:
         if rx.search(text):
             return name
@@ -153,13 +164,14 @@ class _Stream(object):
     def details(self, i, exc):
         """The message's continuation, dynamo's explanation and its "from user code:" frames."""
         level = self.lines[i - 1].level if i else None
+        header = self.lines[i - 1].new_record if i else None
         while i < self.n and len(exc["details"]) < _MAX_DETAILS:
             ln = self.lines[i]
             t = ln.text
             s = t.strip()
             if (_TB_START.search(t) or _CAUSE in s or _CONTEXT in s or _FRAME.match(t) or _TERMINATE.search(t)
-                    or _FATAL.search(t) or _RAISED_FROM.search(t) or _CXX_FRAME.match(t) or ln.new_record
-                    or (level and ln.level and ln.level != level)):
+                    or _FATAL.search(t) or _RAISED_FROM.search(t) or _CXX_FRAME.match(t)
+                    or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
             if _USER_CODE.match(t):
                 frames, i = self.frames(i + 1, user=True)
@@ -170,7 +182,7 @@ class _Stream(object):
                 while k < self.n and not self.text(k).strip():
                     k += 1
                 if k < self.n and (_indent(self.text(k)) > 0 or _USER_CODE.match(self.text(k))) \
-                        and not _FRAME.match(self.text(k)) and not self.lines[k].new_record:
+                        and not _FRAME.match(self.text(k)) and self.lines[k].new_record in (None, header):
                     i = k
                     continue
                 break
@@ -256,7 +268,7 @@ class _Stream(object):
         while i < self.n:
             ln = self.lines[i]
             t = ln.text
-            tb = _TB_START.search(t)
+            tb = _TB_START.search(t) if "Traceback" in t else None
             if tb:
                 exc, i = self.exception(i + 1, i, context=t[:tb.start()])
                 self.items.append(("exc", exc))
@@ -266,20 +278,20 @@ class _Stream(object):
                 self.items.append(("sep", {"line": ln.no, "cause": _CAUSE in s}))
                 i += 1
                 continue
-            if _TERMINATE.search(t):
+            if "terminate called" in t and _TERMINATE.search(t):
                 item, i = self.abort(i)
                 self.items.append(("abort", item))
                 continue
-            if _FATAL.search(t):
+            if "Fatal Python error" in t:
                 item, i = self.fatal(i)
                 self.items.append(("fatal", item))
                 continue
-            if _RAISED_FROM.search(t) or _CXX_FRAME.match(t):
+            if ("Exception raised from" in t and _RAISED_FROM.search(t)) or ("frame #" in t and _CXX_FRAME.match(t)):
                 item = {"kind": "cxx", "raised_from": None, "cxx_frames": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
                 i = self.cxx_trace(i, item)
                 self.items.append(("cxx", item))
                 continue
-            if _FRAME.match(t):
+            if 'File "' in t and _FRAME.match(t):
                 # frames without their header: an excerpt, or dynamo's "from user code:" section
                 before = self._previous_text(i)
                 user = bool(_USER_CODE.match(before))
@@ -291,7 +303,7 @@ class _Stream(object):
                     self.items.append(("exc", exc))
                 continue
             quiet = ln.level in _QUIET_LEVELS
-            m = _EXC_EMBEDDED.search(t) if not quiet and ": " in t else None
+            m = _EXC_EMBEDDED.search(t) if not quiet and ": " in t and any(w in t for w in _EXC_WORDS) else None
             if m and not _EXC_EMBEDDED.search(t[:m.start()] or "-"):
                 exc = {"type": m.group("type"), "message": m.group("msg").strip(), "details": [], "frames": [],
                        "user_frames": [], "skipped_call": None, "context": t[:m.start()].strip(), "has_traceback": False,
@@ -306,7 +318,8 @@ class _Stream(object):
                 # a C++ message's own trace follows it
                 while i < self.n and self.text(i).strip() and not _RAISED_FROM.search(self.text(i)) and i < self.n \
                         and not _FRAME.match(self.text(i)) and not _TB_START.search(self.text(i)) and not classify(self.text(i)) \
-                        and _indent(self.text(i)) == 0 and not self.lines[i].new_record and self.lines[i].no - item["last"] <= 3 \
+                        and _indent(self.text(i)) == 0 and self.lines[i].new_record in (None, ln.new_record) \
+                        and self.lines[i].no - item["last"] <= 3 \
                         and not _EXC_EMBEDDED.search(self.text(i)) and not _TERMINATE.search(self.text(i)) \
                         and not _FATAL.search(self.text(i)):
                     i += 1
@@ -424,13 +437,16 @@ def signature(f):
     return "|".join(parts)
 
 
+NO_EXCEPTION_LINE = "(exception line not in the log)"
+
+
 def describe(exc):
     """`Type: message` of one exception of a chain."""
     if not exc:
         return ""
     if exc.get("type"):
         return exc["type"] + (": " + exc["message"] if exc.get("message") else "")
-    return exc.get("context") or "(exception line not in the log)"
+    return NO_EXCEPTION_LINE
 
 
 def summarise(f):
@@ -439,13 +455,14 @@ def summarise(f):
     if f["chain"]:
         typed = [e for e in f["chain"] if e.get("type")]
         if typed:
-            root, final = describe(typed[0]), describe(typed[-1])
+            root, final = describe(typed[0]), describe(f["chain"][-1])
             # an error printed above the traceback (a kernel's CUDA error) is the earlier cause
             if causes and causes[0]["line"] < f["chain"][0]["line"]:
                 root = causes[0]["text"]
         else:
-            final = describe(f["chain"][-1])
-            root = causes[0]["text"] if causes else final
+            final = NO_EXCEPTION_LINE
+            context = next((e["context"] for e in f["chain"] if e.get("context")), "")
+            root = causes[0]["text"] if causes else (context or final)
     elif f["abort"]:
         root = final = "%s: %s" % (f["abort"]["type"], f["abort"]["what"].split("\n")[0])
     elif f["fatal"]:
