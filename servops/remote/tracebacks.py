@@ -9,7 +9,7 @@ if "normalise" not in globals():  # imported as a module; the host program has l
     from .logscan import normalise, streams  # noqa: F401
 
 _TB_START = _re.compile(r"Traceback \(most recent call last\):")
-_FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>.+?))?\s*$')
+_FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in ?(?P<func>.*?))?\s*$')
 _CARETS = _re.compile(r"^\s*[\^~]+[\s\^~]*$")
 _EXC_LINE = _re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::(?:\s(?P<msg>.*))?)?$")
 _EXC_NAME = r"(?:[A-Za-z_]\w*\.)*(?=[A-Z])(?:\w+?(?:Error|Exception|Unsupported|Exit|Interrupt|Failure|Timeout|OutOfResources)|Exception|Unsupported|OutOfResources)"
@@ -43,6 +43,8 @@ _ERROR_CLASSES = [
     ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed")),
     ("bind", _re.compile(r"[Aa]ddress already in use|EADDRINUSE|error while attempting to bind")),
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
+    # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig"
+    ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
                          r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
                          r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
@@ -59,7 +61,8 @@ _ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "m
                 "NCCL", "nccl", "Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Piecewise",
                 "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
                 "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
-                "to start", "initialization failed", "WorkerProc", "xit", "died with")
+                "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
+                "validation error")
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
