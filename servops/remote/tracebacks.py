@@ -43,6 +43,8 @@ _ERROR_CLASSES = [
     ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed")),
     ("bind", _re.compile(r"[Aa]ddress already in use|EADDRINUSE|error while attempting to bind")),
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
+    ("hub", _re.compile(r"Cannot access gated repo|is restricted\. You must (?:have access|be authenticated)|"
+                        r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
     # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig"
     ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
@@ -62,7 +64,8 @@ _ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "m
                 "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
                 "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
                 "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
-                "validation error")
+                "validation error", "gated repo", "restricted", "Client Error", "Repository Not Found",
+                "couldn't connect")
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
