@@ -315,7 +315,8 @@ def run_summary(line: dict) -> dict:
            "goodput": line.get("slo_attainment"), "request_goodput": line.get("request_goodput"),
            "slo_attainment_by_metric": line.get("slo_attainment_by_metric"), "slo": line.get("goodput_slos_ms"),
            "warmup": s.get("warmup") or {}, "flush_cache": s.get("flush_cache") or {},
-           "input_len_unit": s.get("input_len_unit"), "sglang_version": s.get("sglang_version")}
+           "input_len_unit": s.get("input_len_unit"), "sglang_version": s.get("sglang_version"),
+           "stopped": s.get("stopped")}
     names = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "e2e_latency"}
     for short, long in names.items():
         for stat, prefix in zip(STAT_NAMES, ("mean", "median", "std", "p90", "p95", "p99")):
@@ -440,7 +441,8 @@ def load_result(path: Path) -> dict | None:
         runs.append(run_summary(line))
     if meta is None:
         return None
-    result = dict(meta, runs=runs, path=str(path), stopped=None, warnings=[])
+    stopped = next((r["stopped"] for r in reversed(runs) if r.get("stopped")), None)
+    result = dict(meta, runs=runs, path=str(path), stopped=stopped, warnings=[])
     cfg = meta.get("config") or {}
     finish(result, cfg.get("levels"), int(cfg.get("repeat") or 1))
     return result

@@ -69,7 +69,8 @@ def _cell(lv: dict, key: str, digits: int) -> str:
 def print_compare(host: str, results: dict[str, dict]) -> None:
     names = list(results)
     base = names[0]
-    t = table(f"{host}: {' vs '.join(f'{n} ({results[n].get('release')})' for n in names)}",
+    title = " vs ".join(f"{n} ({results[n].get('release')})" for n in names)
+    t = table(f"{host}: {title}",
               ["level", "metric", *names, *(f"Δ {n}" for n in names[1:])])
     levels = sorted({lv["concurrency"] for r in results.values() for lv in r["levels"]})
     noisy = False

@@ -764,11 +764,14 @@ def bench(base, args, emit, progress=None):
                 block = servops_block(records, duration, info, level, rep, spec, args.get("tokenizer"))
                 block["sglang_version"] = setup["sglang_version"]
                 line["servops"] = block
-                emit(line)
-                ok = line["completed"]
-                if ok == 0 or block["failed"] * 2 > block["requests"]:
-                    return "level %d: %d of %d requests failed; the server stopped answering" % (
+                stop = None
+                if line["completed"] == 0 or block["failed"] * 2 > block["requests"]:
+                    stop = "level %d: %d of %d requests failed; the server stopped answering" % (
                         level, block["failed"], block["requests"])
+                block["stopped"] = stop
+                emit(line)
+                if stop:
+                    return stop
     finally:
         loop.close()
     return None
