@@ -82,7 +82,7 @@ def print_compare(host: str, results: dict[str, dict]) -> None:
             deltas = []
             for n in names[1:]:
                 d = delta(by[base].get(key), by[n].get(key))
-                if d != "-" and _significant(by[base], by[n], key) is False:
+                if d not in ("-", "+0.0%", "-0.0%") and _significant(by[base], by[n], key) is False:
                     d += " (noise)"
                     noisy = True
                 deltas.append(d)
@@ -173,7 +173,6 @@ def plot(host: str, results: dict[str, dict], out: Path) -> Path:
             ax.set_ylim(bottom=0)
             ax.margins(y=0.12)
     ax_tps.legend(fontsize=8, loc="upper left")
-    ax_ttft.legend(fontsize=7, loc="upper left", ncol=1)
     ax_par.set_xscale("log")
     ax_par.set_ylim(bottom=0)
     ax_par.set_xlabel("TTFT p99 (ms, log)")
