@@ -16,7 +16,7 @@ from typing import Mapping
 
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
-_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"]}
+_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"], "launch_check": ["sglang_args"]}
 
 _LAUNCHER = """\
 import os, subprocess, sys
