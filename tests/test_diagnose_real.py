@@ -144,6 +144,9 @@ PREFIX_STYLES = {
     "nested": lambda i: "(APIServer pid=1) (EngineCore_DP0 pid=2) (Worker_TP0 pid=3) ERROR 10-30 17:32:00 "
                         "[v1/executor/multiproc_executor.py:671] ",
     "unknown-tag": lambda i: "[VLLM LOG] (Worker_TP3 pid=51793) ERROR 02-25 02:56:51 [multiproc_executor.py:783] ",
+    # prefixes no rule knows: learned from the frame lines
+    "torchserve": lambda i: f"2024-11-18T16:43:45,{400 + i} [INFO ] W-9000-model_1.0-stdout MODEL_LOG - ",
+    "fastchat": lambda i: f"2024-01-22 14:32:{i % 60:02d} | ERROR | stderr | ",
 }
 BASE_LOGS = ["double_piecewise_crash.log", "real/sglang-5285-capture-oom.log", "real/sglang-4289-nccl-system-error.log",
              "real/sglang-1693-nccl-watchdog-abort.log", "real/sglang-pr10062-dynamo-non-tensor.log",
@@ -228,5 +231,8 @@ def test_clean_logs_and_warnings_are_not_failures():
             "This call originates from:\n"
             '  File "/x/flashinfer/jit/cpp_ext.py", line 91, in is_cuda_version_at_least\n'
             "    return get_cuda_version() >= Version(version_str)\n\n  torch._dynamo.utils.warn_once(msg)\n"
-            "WARNING 01-28 03:21:01 [x.py:1] ValueError: not fatal, only logged\n")
+            "WARNING 01-28 03:21:01 [x.py:1] ValueError: not fatal, only logged\n"
+            "WARNING 01-28 03:21:02 [registry.py:1] Traceback (most recent call last):\n"
+            'WARNING 01-28 03:21:02 [registry.py:1]   File "/x/plugin.py", line 3, in load\n'
+            "WARNING 01-28 03:21:02 [registry.py:1] ModuleNotFoundError: No module named 'optional_plugin'\n")
     assert findings(warn) == []

@@ -51,9 +51,10 @@ for _name, _rx, _kind in _PREFIXES:
 # Headers that open a new log record: what follows them is not the continuation of a message.
 _NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
 _LEARN_ANCHOR = _re.compile(
-    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|File \"[^\"]+\", line \d+|"
+    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|File \"[^\"]+\", line \d+|what\(\): |frame #\d+: |"
     r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*(?=[A-Z])\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
-_ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Exception", "Unsupported", "OutOfResources")
+_ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Exception", "Unsupported", "OutOfResources",
+                 "what():", "frame #")
 _UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
 
 
@@ -143,29 +144,54 @@ def _generalise(tag):
     return "".join(out)
 
 
-def learn_prefixes(raw_lines, limit=2000):
-    """Unknown tags at the start of lines that hold a Traceback header or an error, as regexes.
+# Text the runtime prints at the start of a line: what stands before it is a prefix.
+_LINE_START_ANCHOR = _re.compile(r'File "[^"]+", line \d+|terminate called |Fatal Python error: |frame #\d+: |'
+                                 r'Exception raised from |what\(\): ')
 
-    `[VLLM LOG] (Worker_TP3 pid=1) ERROR ...Traceback` teaches `\\[VLLM LOG\\] `: after it the
-    known prefixes apply again."""
+
+def learn_prefixes(raw_lines, limit=2000):
+    """Prefixes no rule knows, learned from the lines that hold a frame, a Traceback header or an
+    error, as regexes (digits generalised).
+
+    A frame line shows its prefix exactly: whatever stands before `File "...", line N`
+    (`... MODEL_LOG -   File`, `| ERROR | stderr |   File`); so do `terminate called`,
+    `what():`, `frame #N:` and `Fatal Python error:`. Before a Traceback header or an exception
+    line there may be a message instead (`Scheduler hit an exception: Traceback`): that text is
+    a prefix only when the lines after it start with it too, or when it is a run of tags
+    followed by a known prefix (`[VLLM LOG] (Worker_TP3 pid=1) ERROR ...`)."""
     learned = []
     seen = set()
-    for raw in raw_lines:
-        if len(learned) >= 4 or limit <= 0:
+    for k, raw in enumerate(raw_lines):
+        if len(learned) >= 6 or limit <= 0:
             break
-        if not any(k in raw for k in _ANCHOR_WORDS) or not _LEARN_ANCHOR.search(raw):
+        if not any(w in raw for w in _ANCHOR_WORDS):
+            continue
+        anchor = _LEARN_ANCHOR.search(raw)
+        if not anchor:
             continue
         limit -= 1
-        text, _ = strip_prefixes(_clean(raw))
-        m = _UNKNOWN_TAG.match(text)
-        if not m:
-            continue
-        after, tags = strip_prefixes(text[m.end():])
-        # Only a tag followed by a known prefix, or by the anchor itself, is a prefix.
-        if not tags and not _LEARN_ANCHOR.match(after.lstrip()):
-            continue
-        rx = _generalise(m.group(0))
-        if rx not in seen:
+        text, _ = strip_prefixes(_clean(raw), learned)
+        rx = None
+        start = _LINE_START_ANCHOR.search(text)
+        if start and start.start() > 0:
+            before = text[:start.start()].rstrip()
+            if before and '"' not in before and len(before) <= 160:
+                rx = _generalise(before) + r"\s?"
+        if rx is None:
+            m = _UNKNOWN_TAG.match(text)
+            if m:
+                after, tags = strip_prefixes(text[m.end():])
+                if tags or _LEARN_ANCHOR.match(after.lstrip()):
+                    rx = _generalise(m.group(0))
+        if rx is None:
+            a = _LEARN_ANCHOR.search(text)
+            before = text[:a.start()] if a else ""
+            if before.strip() and '"' not in before and len(before) <= 160:
+                cand = _re.compile(_generalise(before.rstrip()) + r"\s?")
+                following = [strip_prefixes(_clean(r), learned)[0] for r in raw_lines[k + 1:k + 9]]
+                if sum(1 for f in following if cand.match(f)) >= 3:
+                    rx = cand.pattern
+        if rx is not None and rx not in seen:
             seen.add(rx)
             learned.append(_re.compile(rx))
     return learned

@@ -8,7 +8,7 @@ import re as _re
 if "normalise" not in globals():  # imported as a module; the host program has logscan.py above
     from .logscan import normalise, streams  # noqa: F401
 
-_TB_START = _re.compile(r"Traceback \(most recent call last\):")
+_TB_START = _re.compile(r"Traceback \(most recent call last\):?")
 _FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in ?(?P<func>.*?))?\s*$')
 _CARETS = _re.compile(r"^\s*[\^~]+[\s\^~]*$")
 _EXC_LINE = _re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::(?:\s(?P<msg>.*))?)?$")
@@ -25,6 +25,7 @@ _CXX_FRAME = _re.compile(r"^\s*frame #\d+: (?P<sym>.*?)(?: \+ 0x[0-9a-fA-F]+)?(?
 _FATAL = _re.compile(r"Fatal Python error: (?P<msg>.+)")
 _THREAD = _re.compile(r"^\s*(?P<current>Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
 _WARNING_STACK = _re.compile(r"originates from:\s*$|\bWarning: |^\s*Stack \(most recent call last\):")
+_PROCESS_HEADER = _re.compile(r"^Process [\w.-]+:\s*$")  # multiprocessing, before a child's traceback
 _QUIET_LEVELS = ("INFO", "DEBUG", "TRACE", "NOTICE", "WARN", "WARNING")
 
 # Lines that are evidence on their own. "consequence" classes report that something already
@@ -175,7 +176,7 @@ class _Stream(object):
             ln = self.lines[i]
             t = ln.text
             s = t.strip()
-            if (_TB_START.search(t) or _CAUSE in s or _CONTEXT in s or _FRAME.match(t) or _TERMINATE.search(t)
+            if (_TB_START.search(t) or _CAUSE in s or _CONTEXT in s or _FRAME.match(t) or _PROCESS_HEADER.match(t) or _TERMINATE.search(t)
                     or _FATAL.search(t) or _RAISED_FROM.search(t) or _CXX_FRAME.match(t)
                     or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
@@ -277,7 +278,9 @@ class _Stream(object):
             tb = _TB_START.search(t) if "Traceback" in t else None
             if tb:
                 exc, i = self.exception(i + 1, i, context=t[:tb.start()])
-                self.items.append(("exc", exc))
+                # a traceback logged as a warning or info (a retried import, a fallback) is no failure
+                if ln.level not in _QUIET_LEVELS:
+                    self.items.append(("exc", exc))
                 continue
             s = t.strip()
             if _CAUSE in s or _CONTEXT in s:
@@ -503,25 +506,26 @@ def scan(text):
     failures.sort(key=lambda f: f["line"])
     # Unprefixed lines next to a failure of a rank (a CUDA error a kernel printed to stderr,
     # just above the rank's traceback) and consequence-only failures join that failure.
-    kept = []
-    for f in failures:
+    last_real = None
+    for k, f in enumerate(failures):
         only_lines = f["kind"] == "errors" and not f["cxx"]
-        near = [g for g in failures if g is not f and g["kind"] != "errors"
-                and (abs(g["line"] - f["last"]) <= 3 or abs(f["line"] - g["last"]) <= 3)]
-        if only_lines and f["rank"] == "" and near:
-            g = near[0]
-            g["errors"] = sorted(g["errors"] + f["errors"], key=lambda e: e["line"])
-            g["line"], g["last"] = min(g["line"], f["line"]), max(g["last"], f["last"])
+        near = None
+        if only_lines and f["rank"] == "":
+            for g in failures[max(0, k - 4):k] + failures[k + 1:k + 5]:
+                if g["kind"] != "errors" and (abs(g["line"] - f["last"]) <= 3 or abs(f["line"] - g["last"]) <= 3):
+                    near = g
+                    break
+        if near is not None:
+            near["errors"] = sorted(near["errors"] + f["errors"], key=lambda e: e["line"])
+            near["line"], near["last"] = min(near["line"], f["line"]), max(near["last"], f["last"])
             f["absorbed"] = True
         elif only_lines and all(e["class"] in _CONSEQUENCE for e in f["errors"]):
-            earlier = [g for g in failures if g is not f and not g.get("absorbed") and g["line"] < f["line"]
-                       and not (g["kind"] == "errors" and all(e["class"] in _CONSEQUENCE for e in g["errors"]))]
-            if earlier:
-                earlier[-1]["errors"].extend(f["errors"])
+            if last_real is not None:
+                last_real["errors"].extend(f["errors"])
                 f["absorbed"] = True
-    for f in failures:
-        if not f.get("absorbed"):
-            kept.append(f)
+        else:
+            last_real = f
+    kept = [f for f in failures if not f.get("absorbed")]
     findings = []
     by_sig = {}
     for f in kept:
