@@ -182,11 +182,30 @@ _DEPLOY_HELP = {
     "max_fail_percentage": "With --serial: carry on while a batch's failed share stays at or below this.",
 }
 _BENCH_HELP = {
-    "levels": "Concurrency levels, comma-separated (default 1,10,256,1024).",
-    "requests": "Requests per level (default: max(2*level, 16)).",
-    "input_len": "Prompt length in words for --dataset random.",
-    "output_len": "Tokens to generate per request.",
-    "dataset": "'random', or a local file of prompts (one per line, or JSONL with 'prompt').",
+    "levels": "Concurrency levels, comma-separated (default 1,10,256,1024); with --request-rate each level's "
+              "concurrency cap.",
+    "requests": "Requests per level, warmup not counted (default: max(2*level, 16)).",
+    "input_len": "Prompt length for the random datasets: tokens with --tokenizer, else words (the result says which).",
+    "output_len": "Tokens to generate per request (the server's usage counts them); 0: 128, or for sharegpt each "
+                  "answer's length.",
+    "dataset": "random (words, or tokens with --tokenizer), random-ids (token ids via /generate, exact lengths), "
+               "sharegpt or prompts (with --dataset-path); a file path alone also works.",
+    "dataset_path": "Local file for --dataset sharegpt (JSON list of conversations) or prompts (one per line, "
+                    "or JSONL with 'prompt').",
+    "range_ratio": "Random lengths uniform in [ratio*len, len], as bench_serving's --random-range-ratio "
+                   "(default 1: exact lengths; bench_serving's default is 0).",
+    "tokenizer": "Hugging Face tokenizer directory (or tokenizer.json) ON THE HOST: lengths in tokens; needs the "
+                 "tokenizers package in the host venv.",
+    "request_rate": "Requests per second arriving as a Poisson process (gamma with --burstiness), capped at each "
+                    "level's concurrency; inf (default): fixed concurrency.",
+    "burstiness": "Gamma shape of the arrivals: 1 is Poisson, below 1 burstier, above 1 more regular.",
+    "max_concurrency": "One level with this concurrency cap (instead of --levels), as bench_serving's flag.",
+    "warmup": "Warmup requests per level, sent before it and left out of its results (default 1).",
+    "flush_cache": "POST /flush_cache before each level (default on; --no-flush-cache skips it); a refusal is "
+                   "noted in the results.",
+    "seed": "Random seed for prompts, lengths and arrival times (same seed, same requests).",
+    "slo": "Goodput SLOs in ms, e.g. ttft:500,tpot:50 (keys ttft, tpot, e2el): goodput and SLO attainment.",
+    "repeat": "Run each level N times: the mean with a 95% interval (gates compare noise-aware).",
     "push": "Prometheus Pushgateway URL to push the results to.",
 }
 
@@ -238,17 +257,31 @@ def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
             return run.recap
 
 
-@servops_task(help=_BENCH_HELP)
-def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, dataset="random", push="",
-          hosts=None, inventory=None):
-    """Benchmark the running server at each concurrency level; save results under results/."""
+@servops_task(help=_BENCH_HELP, bounds={"repeat": (1, None), "input_len": (1, None), "range_ratio": (0, 1)})
+def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, dataset="random", dataset_path="",
+          range_ratio=1.0, tokenizer="", request_rate="inf", burstiness=1.0, max_concurrency=0, warmup=1,
+          flush_cache=True, seed=42, slo="", repeat=1, push="", hosts=None, inventory=None):
+    """Benchmark the running server with bench_serving's metrics; one JSONL line per level under results/."""
     from servops import bench as b
+    from servops.errors import ServopsError
 
-    lv = b.parse_levels(levels)
-    data = b.load_dataset(dataset)
+    if max_concurrency and levels != "1,10,256,1024":
+        raise ServopsError("give either --levels or --max-concurrency (one level), not both")
+    lv = [int(max_concurrency)] if max_concurrency else b.parse_levels(levels)
+    rate = b.parse_rate(request_rate)
+    if not burstiness > 0:
+        raise ServopsError(f"--burstiness {burstiness}: must be more than 0")
+    slos = b.parse_slo(slo)
+    if push:
+        from servops.push import validate_url
+
+        validate_url(push)
+    data = b.load_dataset(dataset, dataset_path, seed)
 
     def op(hs):
-        result = b.run_bench(hs, lv, requests, input_len, output_len, data)
+        result = b.run_bench(hs, lv, requests, input_len, output_len, data, request_rate=rate, burstiness=burstiness,
+                             warmup=warmup, flush_cache=flush_cache, seed=seed, range_ratio=range_ratio,
+                             tokenizer=tokenizer or None, slo=slos, repeat=repeat)
         b.print_result(result)
         if push:
             from servops.push import push_bench
@@ -385,32 +418,27 @@ def releases_(c, hosts=None, inventory=None):
 
 
 @servops_task(help={
-    "release": "Release whose server.log to read (default: current).",
-    "log": "A local log file instead (frames are still resolved on the host).",
-    "explain": "Show the call chain from the capture entry point to the failing call.",
+    "release": "Release NAME as `invoke releases` lists it (default: after an automatic rollback the most "
+               "recent failed release, else the current one).",
+    "log": "A local log file instead of a release's server.log (its frames are still resolved on the host).",
+    "offline": "With --log: diagnose here, without a host (no source context or version checks).",
+    "json": "Print one JSON object per failure (category, entry, root/final exception, frames, ranks); "
+            "the verdict goes to stderr.",
+    "explain": "Show the call chain from the entry point (e.g. the graph capture) to the failing call.",
     "context": "Source lines shown around each frame.",
-})
-def diagnose(c, release="", log="", explain=False, context=3, hosts=None, inventory=None):
-    """Explain crashes: tracebacks in the log, source of every frame, known-issue matches."""
-    from pathlib import Path
+    "allow_outside": "Also read frame files outside the host venv's site-packages and stdlib.",
+}, bounds={"context": (0, 200)})
+def diagnose(c, release="", log="", offline=False, json=False, explain=False, context=3, allow_outside=False,
+             hosts=None, inventory=None):
+    """Explain crashes: failures in the log, each frame's host source, known issues. Exit 0 matched or clean, 1 unexplained errors."""
+    from invoke import Exit
 
     from servops import diagnose as dg
 
-    issues = dg.known_issues()
-    log_text = None
-    if log:
-        if not Path(log).is_file():
-            raise dg.DiagnoseError(f"--log {log!r}: no such local file")
-        log_text = Path(log).read_text(errors="replace")
-
-    def op(hs):
-        res = dg.diagnose(hs, release or None, log_text, int(context))
-        return OK, f"{len(res['tracebacks'])} traceback(s)", res
-
-    run = on_hosts(inventory, hosts, op)
-    for h, res in run.each():
-        dg.print_report(h.name, res, issues, explain)
-    return run.recap
+    code = dg.run(release=release, log=log, offline=offline, as_json=json, explain=explain, context=context,
+                  allow_outside=allow_outside, hosts=hosts, inventory=inventory)
+    if code:
+        raise Exit(code=code)
 
 
 @servops_task(name="up")

@@ -1,14 +1,25 @@
-"""`invoke compare A B`: side-by-side bench results with deltas, and a PNG plot."""
+"""`invoke compare A B`: side-by-side bench results with deltas, and a PNG plot.
+
+The plot: output throughput (from zero, with 95% intervals when runs were repeated), TTFT (log
+axis), TPOT, ITL and e2e latency, p50 solid and p99 dashed, against the levels; and a Pareto
+panel: output tok/s against p99 TTFT, one point per variant and level, the frontier marked.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .bench import RESULTS_ROOT, BenchError, latest_for_variant
 from .output import console, print_table, table
 
-ROWS = (("output_tps", "output tok/s", True), ("request_rate", "req/s", True), ("ttft_p50", "TTFT p50 ms", False),
-        ("ttft_p99", "TTFT p99 ms", False), ("itl_p50", "ITL p50 ms", False), ("e2e_p50", "e2e p50 ms", False))
+# (summary key, label, higher is better, digits)
+ROWS = (("output_tps", "output tok/s", True, 1), ("request_rate", "req/s", True, 2),
+        ("ttft_p50", "TTFT p50 ms", False, 1), ("ttft_p99", "TTFT p99 ms", False, 1),
+        ("tpot_p50", "TPOT p50 ms", False, 2), ("tpot_p99", "TPOT p99 ms", False, 2),
+        ("itl_p50", "ITL p50 ms", False, 2), ("itl_p99", "ITL p99 ms", False, 2),
+        ("e2e_p50", "e2e p50 ms", False, 1), ("e2e_p99", "e2e p99 ms", False, 1),
+        ("goodput", "goodput", True, 3), ("error_rate", "failed share", False, 3))
 
 
 def load_pair(host: str, variants: list[str]) -> dict[str, dict]:
@@ -27,18 +38,69 @@ def delta(a: float | None, b: float | None) -> str:
     return f"{(b - a) / a * 100:+.1f}%"
 
 
+def _significant(la: dict, lb: dict, key: str) -> bool | None:
+    """Welch: does the 95% interval of the difference exclude 0? None without repeats."""
+    from .bench import t975
+
+    a = (la.get("samples") or {}).get(key) or []
+    b = (lb.get("samples") or {}).get(key) or []
+    if len(a) < 2 and len(b) < 2:
+        return None
+    def mv(xs):
+        m = math.fsum(xs) / len(xs)
+        return m, (math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs) if len(xs) > 1 else 0.0)
+    ma, va = mv(a)
+    mb, vb = mv(b)
+    if va + vb == 0:
+        return ma != mb
+    terms = (va * va / (len(a) - 1) if len(a) > 1 else 0.0) + (vb * vb / (len(b) - 1) if len(b) > 1 else 0.0)
+    df = (va + vb) ** 2 / terms if terms else math.inf
+    return abs(ma - mb) > t975(df) * math.sqrt(va + vb)
+
+
+def _cell(lv: dict, key: str, digits: int) -> str:
+    v = lv.get(key)
+    if v is None:
+        return "-"
+    ci = (lv.get("ci95") or {}).get(key)
+    return f"{v:.{digits}f}" + (f" ±{(ci[1] - ci[0]) / 2:.{digits}f}" if ci else "")
+
+
 def print_compare(host: str, results: dict[str, dict]) -> None:
     names = list(results)
     base = names[0]
-    t = table(f"{host}: {' vs '.join(names)}", ["concurrency", "metric", *names, *(f"Δ {n}" for n in names[1:])])
-    levels = sorted({l["concurrency"] for r in results.values() for l in r["levels"]})
+    title = " vs ".join(f"{n} ({results[n].get('release')})" for n in names)
+    t = table(f"{host}: {title}",
+              ["level", "metric", *names, *(f"Δ {n}" for n in names[1:])])
+    levels = sorted({lv["concurrency"] for r in results.values() for lv in r["levels"]})
+    noisy = False
     for level in levels:
-        by = {n: next((l for l in results[n]["levels"] if l["concurrency"] == level), {}) for n in names}
-        for key, label, _higher_better in ROWS:
-            vals = [by[n].get(key) for n in names]
-            t.add_row(str(level), label, *("-" if v is None else f"{v:.2f}" for v in vals),
-                      *(delta(by[base].get(key), by[n].get(key)) for n in names[1:]))
+        by = {n: next((lv for lv in results[n]["levels"] if lv["concurrency"] == level), {}) for n in names}
+        for key, label, _higher, digits in ROWS:
+            if all(by[n].get(key) is None for n in names):
+                continue
+            deltas = []
+            for n in names[1:]:
+                d = delta(by[base].get(key), by[n].get(key))
+                if d not in ("-", "+0.0%", "-0.0%") and _significant(by[base], by[n], key) is False:
+                    d += " (noise)"
+                    noisy = True
+                deltas.append(d)
+            t.add_row(str(level), label, *(_cell(by[n], key, digits) for n in names), *deltas)
     print_table(t)
+    if noisy:
+        console.print("(noise): the 95% interval of the difference includes 0", markup=False, highlight=False)
+
+
+def _series(res: dict, key: str):
+    pts = [(lv["concurrency"], lv.get(key)) for lv in res["levels"] if lv.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points (p99 TTFT, tok/s) no other point beats on both (lower TTFT, higher tok/s)."""
+    front = [p for p in points if not any((q[0] <= p[0] and q[1] >= p[1]) and q != p for q in points)]
+    return sorted(set(front))
 
 
 def plot(host: str, results: dict[str, dict], out: Path) -> Path:
@@ -46,21 +108,81 @@ def plot(host: str, results: dict[str, dict], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, res in results.items():
-        levels = [l["concurrency"] for l in res["levels"]]
-        ax1.plot(levels, [l["output_tps"] for l in res["levels"]], marker="o", label=name)
-        ax2.plot(levels, [l["ttft_p50"] or 0 for l in res["levels"]], marker="o", label=name)
-    for ax, title, ylabel in ((ax1, "output throughput", "tokens/s"), (ax2, "TTFT p50", "ms")):
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9.2))
+    (ax_tps, ax_ttft, ax_tpot), (ax_itl, ax_e2e, ax_par) = axes
+    levels = sorted({lv["concurrency"] for r in results.values() for lv in r["levels"]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    pareto_pts = []
+    for i, (name, res) in enumerate(results.items()):
+        color = colors[i % len(colors)]
+        label = f"{name} ({res.get('release') or '?'})"
+        x, y = _series(res, "output_tps")
+        err = None
+        if any((lv.get("ci95") or {}).get("output_tps") for lv in res["levels"]):
+            lo, hi = [], []
+            for lv in res["levels"]:
+                if lv.get("output_tps") is None:
+                    continue
+                ci = (lv.get("ci95") or {}).get("output_tps") or [lv["output_tps"]] * 2
+                lo.append(lv["output_tps"] - ci[0])
+                hi.append(ci[1] - lv["output_tps"])
+            err = [lo, hi]
+        ax_tps.errorbar(x, y, yerr=err, marker="o", color=color, label=label, capsize=3)
+        for ax, base in ((ax_ttft, "ttft"), (ax_tpot, "tpot"), (ax_itl, "itl"), (ax_e2e, "e2e")):
+            for stat, style in (("p50", "-"), ("p99", "--")):
+                x, y = _series(res, f"{base}_{stat}")
+                if base == "ttft":
+                    y = [max(v, 1e-3) for v in y]
+                ax.plot(x, y, style, marker="o" if stat == "p50" else "s", color=color,
+                        label=f"{label} {stat}", markersize=5)
+        for lv in res["levels"]:
+            if lv.get("output_tps") is not None and lv.get("ttft_p99") is not None:
+                pt = (max(lv["ttft_p99"], 1e-3), lv["output_tps"])
+                pareto_pts.append(pt)
+                ax_par.scatter([pt[0]], [pt[1]], color=color, s=46, zorder=3,
+                               label=label if lv is res["levels"][0] else None)
+                ax_par.annotate(str(lv["concurrency"]), pt, textcoords="offset points", xytext=(5, 4), fontsize=8,
+                                color=color)
+    front = pareto_front(pareto_pts)
+    if len(front) > 1:
+        ax_par.plot([p[0] for p in front], [p[1] for p in front], ":", color="black", linewidth=1.2,
+                    label="Pareto frontier", zorder=2)
+    elif front:
+        ax_par.scatter([front[0][0]], [front[0][1]], facecolors="none", edgecolors="black", s=140,
+                       label="Pareto best", zorder=2)
+    titles = {ax_tps: ("output throughput", "tokens/s"), ax_ttft: ("time to first token (log)", "ms"),
+              ax_tpot: ("time per output token", "ms"), ax_itl: ("inter-token latency", "ms"),
+              ax_e2e: ("end-to-end latency", "ms")}
+    for ax, (title, ylabel) in titles.items():
         ax.set_xscale("log")
-        ax.set_xlabel("concurrent requests")
+        ax.xaxis.set_major_locator(FixedLocator(levels))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(lv) for lv in levels])
+        if len(levels) == 1:
+            ax.set_xlim(levels[0] / 2, levels[0] * 2)
+        ax.set_xlabel("concurrent requests (level)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{host}: {title}")
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax is ax_ttft:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+            ax.margins(y=0.12)
+    ax_tps.legend(fontsize=8, loc="upper left")
+    ax_par.set_xscale("log")
+    ax_par.set_ylim(bottom=0)
+    ax_par.set_xlabel("TTFT p99 (ms, log)")
+    ax_par.set_ylabel("output tokens/s")
+    ax_par.set_title("Pareto: throughput vs TTFT p99 (labels: level)")
+    ax_par.grid(True, alpha=0.3)
+    ax_par.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{host}: {' vs '.join(results)}   (p50 solid, p99 dashed)", fontsize=13)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -123,9 +123,9 @@ def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_ur
         validate_url(push_url)
     if gate:
         from .gate import validate as validate_gate
+        from .playbooks import PLAYBOOK_ROOT
 
-        for hs in nodes[:1]:
-            validate_gate(gate, hs.host.name)
+        validate_gate(gate, nodes[0].host.name, {p.stem for p in PLAYBOOK_ROOT.glob("*.yml")})
     for hs in nodes:
         server_port(hs)
         health_timeout(hs, variant["health"])
@@ -309,9 +309,9 @@ def _summary(hs: HostSession, text: str) -> None:
 def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
     """Bench the healthy release at the gate's levels; a failed condition fails the deploy."""
     from . import bench
-    from .gate import evaluate, gate_levels
+    from .gate import bench_options, evaluate, gate_levels
 
-    result = bench.run_bench(hs, gate_levels(gate), **bench_opts)
+    result = bench.run_bench(hs, gate_levels(gate), **dict(bench_options(gate), **bench_opts))
     bench.print_result(result)
     passed, lines = evaluate(gate, result, lambda v: bench.latest_for_variant(hs.host.name, v))
     for line in lines:

@@ -1,26 +1,51 @@
-"""`invoke diagnose`: tracebacks from a server log, mapped to the host's source, matched
-against patches/known_issues.yml. One SSH command for the log and every frame's context."""
+"""`invoke diagnose`: failures in a server log, mapped to the host's source, matched against
+patches/known_issues.yml.
+
+The log is read and parsed where it lives: on the host (one SSH command for the log, every
+frame's file, its version and patch marks) or, with --offline, here. Parsing is the standard-
+library code of servops/remote/logscan.py and tracebacks.py; this module matches its findings
+against the knowledge base and prints them, every line through the host's redactor.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import yaml
 
 from .errors import ServopsError
-from .output import console
+from .output import console, err_console
 from .patchstore import PATCH_ROOT
+from .redact import Redactor
 from .releases import deploy_root
 from .remote_exec import run_program
 from .transport import HostSession
+
+CATEGORIES = ("dynamo-trace", "cuda-oom", "nccl", "illegal-memory-access", "jit-build", "arch-unsupported",
+              "model-load", "port-in-use", "triton-resources", "quantization", "config")
+_CONDITIONS = {"exception", "root", "final", "message", "frames", "code", "not"}
+# Weights for ranking hits: a frame or a source line pins a failure down more than a message.
+_WEIGHTS = {"frames": 3, "code": 3, "exception": 2, "root": 2, "final": 2, "message": 1}
+_RELEASE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+# Tokens masked in everything diagnose prints, whatever the inventory says is secret.
+_TOKENS = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b|\bsk-[A-Za-z0-9_-]{20,}\b|\bgh[pousr]_[A-Za-z0-9]{30,}\b|"
+                     r"\bAKIA[0-9A-Z]{16}\b|\bxox[abprs]-[A-Za-z0-9-]{10,}|(?<=[Bb]earer )[A-Za-z0-9._~+/=-]{20,}")
+_KEYED = re.compile(r"(?i)((?:api[_-]?key|access[_-]?token|auth[_-]?token|hf[_-]?token|password|secret)['\"]?\s*[=:]\s*['\"]?)"
+                    r"(?!None\b|null\b|\*\*\*)[^\s'\",)]{6,}")
 
 
 class DiagnoseError(ServopsError):
     pass
 
+
+# -- the knowledge base ----------------------------------------------------------------------
 
 def known_issues(path: Path | None = None) -> list[dict]:
     path = path or PATCH_ROOT / "known_issues.yml"
@@ -28,109 +53,506 @@ def known_issues(path: Path | None = None) -> list[dict]:
         data = yaml.safe_load(path.read_text()) or []
     except (OSError, yaml.YAMLError) as exc:
         raise DiagnoseError(f"{path}: cannot load the knowledge base: {exc}") from None
+    seen = set()
     for entry in data:
-        for key in ("id", "title", "match", "explanation"):
+        eid = entry.get("id", "?")
+        for key in ("id", "title", "category", "explanation"):
             if key not in entry:
-                raise DiagnoseError(f"{path}: entry {entry.get('id', '?')} lacks '{key}'")
-        for key, value in entry["match"].items():
-            for rx in value if isinstance(value, list) else [value]:
-                try:
-                    re.compile(rx)
-                except re.error as exc:
-                    raise DiagnoseError(f"{path}: {entry['id']}.match.{key}: bad regex {rx!r}: {exc}") from None
+                raise DiagnoseError(f"{path}: entry {eid} lacks '{key}'")
+        if eid in seen:
+            raise DiagnoseError(f"{path}: entry {eid} appears twice")
+        seen.add(eid)
+        if entry["category"] not in CATEGORIES:
+            raise DiagnoseError(f"{path}: entry {eid}: category {entry['category']!r} is not one of {', '.join(CATEGORIES)}")
+        alternatives = _alternatives(entry)
+        if not alternatives:
+            raise DiagnoseError(f"{path}: entry {eid} has no 'match' (or 'any') conditions")
+        for alt in alternatives:
+            unknown = set(alt) - _CONDITIONS
+            if unknown:
+                raise DiagnoseError(f"{path}: entry {eid}: unknown condition(s) {', '.join(sorted(unknown))}")
+            for key, value in alt.items():
+                for rx in value if isinstance(value, list) else [value]:
+                    try:
+                        re.compile(rx)
+                    except re.error as exc:
+                        raise DiagnoseError(f"{path}: {eid}.{key}: bad regex {rx!r}: {exc}") from None
     return data
 
 
-def _all_frames(tb: dict) -> list[dict]:
-    return tb["frames"] + tb["user_frames"]
+def _alternatives(entry: dict) -> list[dict]:
+    """An entry matches when all conditions of `match`, or of one item of `any`, hold."""
+    alts = []
+    if entry.get("match"):
+        alts.append(entry["match"])
+    alts.extend(entry.get("any") or [])
+    return alts
 
 
-def match(tb: dict, issues: list[dict]) -> list[dict]:
-    text = "\n".join([tb["message"]] + tb["details"])
-    funcs = [f["func"] for f in _all_frames(tb)]
+# -- evidence and matching -------------------------------------------------------------------
+
+def finding_frames(f: dict) -> list[dict]:
+    frames = []
+    for exc in f.get("chain") or []:
+        frames.extend(exc["frames"])
+        frames.extend(exc["user_frames"])
+    if f.get("fatal"):
+        threads = f["fatal"]["threads"]
+        for t in [t for t in threads if t["current"]] or threads:
+            frames.extend(t["frames"])
+    return frames
+
+
+@dataclass
+class Evidence:
+    types: list[str]
+    text: str
+    frames: list[str]
+    codes: list[str]
+    root: str
+    final: str
+
+
+def evidence(f: dict) -> Evidence:
+    """What the knowledge base is matched against: the normalised failure, not only its last traceback."""
+    types, text = [], []
+    for exc in f.get("chain") or []:
+        if exc.get("type"):
+            types.append(exc["type"])
+            text.append(f"{exc['type']}: {exc.get('message', '')}")
+        if exc.get("context"):
+            text.append(exc["context"])
+        text.extend(exc.get("details") or [])
+        if exc.get("skipped_call"):
+            text.append("skipped call: " + exc["skipped_call"])
+    if f.get("abort"):
+        types.append(f["abort"]["type"])
+        text.append(f"{f['abort']['type']}: {f['abort']['what']}")
+        if f["abort"].get("raised_from"):
+            text.append("raised from " + f["abort"]["raised_from"])
+    if f.get("fatal"):
+        text.append("Fatal Python error: " + f["fatal"]["message"])
+    text.extend(e["text"] for e in f.get("errors") or [])
+    frames = [f"{fr['path']}:{fr['func']}" for fr in finding_frames(f)]
+    cxx = (f.get("abort") or {}).get("cxx_frames") or []
+    cxx += (f.get("cxx") or {}).get("cxx_frames") or []
+    frames.extend(cxx)
+    codes = [fr["code"] for fr in finding_frames(f) if fr.get("code")]
+    return Evidence(types, "\n".join(text), frames, codes, f.get("root_exception", ""), f.get("final_exception", ""))
+
+
+def _score(cond: dict, ev: Evidence) -> int | None:
+    """The weight of the conditions that hold, or None when one does not."""
+    score = 0
+    for key, value in cond.items():
+        if key == "not":
+            if re.search(value, ev.text, re.M):
+                return None
+            continue
+        if key == "exception":
+            ok = any(re.search(value, t) for t in ev.types)
+        elif key == "root":
+            ok = bool(re.search(value, ev.root))
+        elif key == "final":
+            ok = bool(re.search(value, ev.final))
+        elif key == "message":
+            ok = bool(re.search(value, ev.text, re.M))
+        elif key == "code":
+            ok = any(re.search(value, c) for c in ev.codes)
+        elif key == "frames":
+            rxs = value if isinstance(value, list) else [value]
+            ok = all(any(re.search(rx, fr) for fr in ev.frames) for rx in rxs)
+            score += _WEIGHTS["frames"] * (len(rxs) - 1)
+        else:
+            ok = False
+        if not ok:
+            return None
+        score += _WEIGHTS[key]
+    return score
+
+
+def match(finding: dict, issues: list[dict]) -> list[dict]:
+    """Entries whose conditions hold for a finding, most specific first."""
+    ev = evidence(finding)
     hits = []
-    for entry in issues:
-        m = entry["match"]
-        if "exception" in m and not re.search(m["exception"], tb["exc_type"] or ""):
-            continue
-        if "message" in m and not re.search(m["message"], text):
-            continue
-        if any(not any(re.search(rx, fn) for fn in funcs) for rx in m.get("frames", [])):
-            continue
-        hits.append(entry)
-    return hits
+    for order, entry in enumerate(issues):
+        scores = [s for s in (_score(alt, ev) for alt in _alternatives(entry)) if s is not None]
+        if scores:
+            hits.append((-max(scores), order, entry))
+    return [entry for _, _, entry in sorted(hits, key=lambda h: (h[0], h[1]))]
 
 
-def call_chain(tb: dict, entry_rx: str | None) -> list[str]:
-    """From the capture entry point to the failing call, through dynamo's traced user code."""
-    frames = tb["frames"]
+def call_chain(finding: dict, entry_rx: str | None) -> list[str]:
+    """From the entry point (e.g. the capture) to the failing call, through dynamo's traced user code."""
+    chain_exc = [e for e in finding.get("chain") or [] if e["frames"] or e["user_frames"]]
+    frames = [fr for e in chain_exc for fr in e["frames"]]
+    user = [fr for e in chain_exc for fr in e["user_frames"]]
     start = 0
     if entry_rx:
         idx = [i for i, f in enumerate(frames) if re.search(entry_rx, f["func"])]
         start = idx[0] if idx else 0
-    chain = [f for f in frames[start:] if "torch/_dynamo" not in f["path"]]
-    chain += [f for f in tb["user_frames"] if "torch/_dynamo" not in f["path"]]
-    steps = [f"{f['func']} ({os.path.basename(f['path'])}:{f['line']})" for f in chain]
-    if tb.get("skipped_call"):
-        steps.append(f"{tb['skipped_call']}  <- dynamo cannot trace this")
-    return steps
+    steps = [f for f in frames[start:] + user if "torch/_dynamo" not in f["path"]]
+    out = [f"{f['func']} ({os.path.basename(f['path'])}:{f['line']})" for f in steps]
+    skipped = next((e["skipped_call"] for e in finding.get("chain") or [] if e.get("skipped_call")), None)
+    if skipped:
+        out.append(f"{skipped}  <- dynamo cannot trace this")
+    return out
 
 
-def diagnose(hs: HostSession, release: str | None = None, log_text: str | None = None, context: int = 3) -> dict:
-    args = {"deploy_root": deploy_root(hs.host), "release": release, "context": context,
-            "state_dir": hs.host.state_dir, "log_text": log_text}
+# -- running it --------------------------------------------------------------------------------
+
+def validate_release(name: str) -> str:
+    if name and (not _RELEASE_NAME.match(name) or ".." in name):
+        raise DiagnoseError(f"--release {name!r}: give a release name as listed by `invoke releases`, not a path")
+    return name
+
+
+def parse_context(value) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise DiagnoseError(f"--context: expected a whole number of lines, got {value!r}") from None
+    if not 0 <= n <= 200:
+        raise DiagnoseError(f"--context: expected 0 to 200 lines, got {n}")
+    return n
+
+
+def diagnose(hs: HostSession, release: str | None = None, log_text: str | None = None, context: int = 3,
+             allow_outside: bool = False, log_name: str | None = None) -> dict:
+    """The host's findings, frames resolved to its files: one SSH command."""
+    args = {"deploy_root": deploy_root(hs.host), "release": validate_release(release or "") or None,
+            "context": context, "log_text": log_text, "log_name": log_name, "allow_outside": allow_outside}
     return run_program(hs, "diagnose_ctx", args)
 
 
-def print_report(host: str, result: dict, issues: list[dict], explain: bool) -> int:
-    """Prints every traceback; returns how many matched a known issue."""
+def scan_local(text: str, source: str) -> dict:
+    """--offline: the same findings, parsed here; frames are left as the log shows them."""
+    from .remote.tracebacks import scan
+
+    return {"source": source, "offline": True, "scan": scan(text)}
+
+
+def diagnose_command(host: str, release: str | None = None) -> str:
+    """The command to run after a failed deploy (deploy prints it)."""
+    cmd = ["invoke", "diagnose", "-H", host]
+    if release:
+        cmd += ["--release", release]
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def mask_tokens(text: str) -> str:
+    text = _TOKENS.sub("***", text)
+    return _KEYED.sub(lambda m: m.group(1) + "***", text)
+
+
+def make_redactor(redactor: Redactor | Callable[[str], str] | None) -> Callable[[str], str]:
+    base = redactor or Redactor()
+    return lambda text: mask_tokens(base(str(text)))
+
+
+# -- output ------------------------------------------------------------------------------------
+
+@dataclass
+class HostReport:
+    host: str
+    findings: int = 0
+    matched: list[tuple[str, str]] = field(default_factory=list)   # (entry id, category) per matched finding
+
+    @property
+    def verdict(self) -> str:
+        if self.matched:
+            entry, cat = self.matched[0]
+            more = len({m[0] for m in self.matched}) - 1
+            return f"matched: {entry} ({cat})" + (f" and {more} more known issue(s)" if more > 0 else "")
+        if self.findings:
+            return f"no known issue matched — {self.findings} error(s) found"
+        return "no errors found"
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.findings and not self.matched else 0
+
+
+def _ranks_text(f: dict) -> str:
+    ranks = f.get("ranks") or []
+    if len(ranks) <= 1:
+        return f"rank {ranks[0]}" if ranks and ranks[0] != "main" else "1 process"
+    return f"{len(ranks)} ranks, first at {ranks[0]}"
+
+
+def to_json(host: str, result: dict, f: dict, hits: list[dict]) -> dict:
+    top = hits[0] if hits else None
+    return {"host": host, "source": result.get("source"), "release": result.get("release"),
+            "category": top["category"] if top else None, "entry": top["id"] if top else None,
+            "title": top["title"] if top else None, "also": [h["id"] for h in hits[1:]],
+            "root_exception": f.get("root_exception"), "final_exception": f.get("final_exception"),
+            "frames": len(finding_frames(f)), "ranks": f.get("ranks") or [], "occurrences": f.get("occurrences", 1),
+            "kind": f.get("kind"), "first_line": f.get("line"),
+            "errors": sorted({e["class"] for e in f.get("errors") or []}),
+            "next": (top.get("suggest") or {}) if top else {}, "link": top.get("link") if top else None}
+
+
+def _redact_json(value, redact):
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_redact_json(v, redact) for v in value]
+    if isinstance(value, dict):
+        return {k: _redact_json(v, redact) for k, v in value.items()}
+    return value
+
+
+class _Printer:
+    """Every line a user (or a log) supplied goes out as plain rich Text: no markup is parsed."""
+
+    def __init__(self, redact: Callable[[str], str], con=None):
+        self.redact = redact
+        self.con = con or console
+
+    def line(self, *parts, indent: int = 0):
+        from rich.text import Text
+
+        t = Text(" " * indent)
+        for part in parts:
+            if isinstance(part, tuple):
+                t.append(self.redact(part[0]), style=part[1])
+            else:
+                t.append(self.redact(part))
+        self.con.print(t, soft_wrap=True)
+
+    def rule(self, title: str):
+        from rich.text import Text
+
+        self.con.rule(Text(self.redact(title)))
+
+
+def _frame_marks(fr: dict, offline: bool) -> list[tuple[str, str]]:
+    marks = []
+    if fr.get("patch"):
+        marks.append((f"patched: {fr['patch']}" + (", changed since" if fr.get("patch_drift") else ""), "green"))
+    elif fr.get("modified"):
+        marks.append(("modified since install", "magenta"))
+    if fr.get("dist"):
+        marks.append((f"{fr['dist']} {fr.get('version') or ''}".strip(), ""))
+    if "same_code" in fr:
+        if fr["same_code"]:
+            marks.append(("same code", "dim"))
+        else:
+            where = f"{fr['dist']} {fr.get('version') or ''}".strip() if fr.get("dist") else "host"
+            moved = f", that line is at {fr['moved_to']}" if fr.get("moved_to") else ""
+            marks.append((f"host file differs (host {where}){moved}", "yellow"))
+    if not offline:
+        if fr.get("outside"):
+            marks.append(("outside site-packages: pass --allow-outside to read it", "dim"))
+        elif not fr.get("host_path"):
+            marks.append(("not on host", "dim"))
+    return marks
+
+
+def _print_frames(p: _Printer, title: str, frames: list[dict], offline: bool):
     from rich.syntax import Syntax
 
-    tbs = result["tracebacks"]
-    if not tbs:
-        console.print(f"{host}: no Python traceback in {result['source']}", markup=False)
-        return 0
-    known = 0
-    for n, tb in enumerate(tbs, 1):
-        console.rule(f"{host}: traceback {n}/{len(tbs)} (log line {tb['start_line']})")
-        console.print(f"[bold red]{tb['exc_type']}[/]: {tb['message']}", highlight=False)
-        for section, frames in (("traceback", tb["frames"]), ("traced by dynamo (from user code)", tb["user_frames"])):
-            if not frames:
-                continue
-            console.print(f"[bold]{section}[/]")
-            for f in frames:
-                where = f.get("rel") or f["path"]
-                marks = []
-                if f.get("patch"):
-                    marks.append(f"[green]patched: {f['patch']}[/]")
-                elif f.get("modified"):
-                    marks.append("[magenta]modified since install[/]")
-                if f.get("dist"):
-                    marks.append(f["dist"])
-                if not f.get("host_path"):
-                    marks.append("[dim]not on host[/]")
-                console.print(f"  {where}:{f['line']} in [cyan]{f['func']}[/]" + (f"  ({', '.join(marks)})" if marks else ""),
-                              highlight=False)
-                src = f.get("source")
-                if src and src["lines"] and console.is_terminal:
-                    console.print(Syntax("\n".join(src["lines"]), "python", line_numbers=True, start_line=src["start"],
-                                         highlight_lines={f["line"]}, theme="monokai"))
-                elif src:
-                    for i, line in enumerate(src["lines"], src["start"]):
-                        console.out(f"    {'>' if i == f['line'] else ' '}{i:>5}  {line}", highlight=False)
-        hits = match(tb, issues)
-        for hit in hits:
-            known += 1
-            console.print(f"[bold yellow]known issue {hit['id']}[/]: {hit['title']}", highlight=False)
-            console.print(f"  {hit['explanation']}", markup=False)
-            for key, value in (hit.get("suggest") or {}).items():
-                console.print(f"  suggest {key}: {value}", markup=False)
-            if hit.get("link"):
-                console.print(f"  see: {hit['link']}", markup=False)
-        if explain:
-            entry = hits[0].get("entry") if hits else None
-            console.print("[bold]call chain[/]")
-            for depth, step in enumerate(call_chain(tb, entry)):
-                console.print(f"  {'  ' * min(depth, 12)}-> {step}", markup=False)
+    if not frames:
+        return
+    p.line((title, "bold"))
+    for fr in frames:
+        where = fr.get("rel") or fr["path"]
+        marks = _frame_marks(fr, offline)
+        parts: list = [f"{where}:{fr['line']} in ", (fr["func"], "cyan")]
+        if marks:
+            parts.append("  (")
+            for k, (text, style) in enumerate(marks):
+                parts.append((text, style) if style else text)
+                if k < len(marks) - 1:
+                    parts.append(", ")
+            parts.append(")")
+        p.line(*parts, indent=2)
+        src = fr.get("source")
+        if src and src["lines"]:
+            at = src.get("at") or fr["line"]
+            if p.con.is_terminal:
+                code = "\n".join(p.redact(x) for x in src["lines"])
+                p.con.print(Syntax(code, "python", line_numbers=True, start_line=src["start"],
+                                   highlight_lines={at}, theme="monokai"))
+            else:
+                for i, line in enumerate(src["lines"], src["start"]):
+                    p.line(f"    {'>' if i == at else ' '}{i:>5}  {line}")
+        elif offline and fr.get("code"):
+            p.line(f"      {fr['code']}")
+
+
+def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: list[dict], explain: bool,
+                  offline: bool):
+    lines = f"log line {f['line']}" + (f"-{f['last']}" if f.get("last", f["line"]) > f["line"] else "")
+    occ = f", {f['occurrences']} times" if f.get("occurrences", 1) > 1 else ""
+    p.rule(f"{host}: failure {n}/{total} ({lines}, {_ranks_text(f)}{occ})")
+    root, final = f.get("root_exception") or "", f.get("final_exception") or ""
+    p.line(("root cause: ", "bold"), (root, "bold red"))
+    if final and final != root:
+        p.line(("final exception: ", "bold"), (final, "red"))
+    chain = [e for e in f.get("chain") or [] if e.get("type")]
+    if len(chain) > 1:
+        links = f.get("links") or []
+        steps = [chain[0]["type"]]
+        for k, exc in enumerate(chain[1:]):
+            how = "caused" if k < len(links) and links[k] == "cause" else "then, while handling it"
+            steps.append(f"({how}) {exc['type']}")
+        p.line("chain: ", " -> ".join(steps))
+    if f.get("cut_above"):
+        p.line(("the log starts mid-chain: an earlier exception was cut off", "dim"))
+    for exc in f.get("chain") or []:
+        if exc.get("context") and exc["context"] not in root:
+            p.line("context: ", exc["context"])
+            break
+    details = [d for e in f.get("chain") or [] for d in e.get("details") or []]
+    for d in details[:6]:
+        p.line(d, indent=2)
+    if f.get("errors"):
+        p.line(("error lines", "bold"))
+        for e in f["errors"][:8]:
+            p.line((f"{e['class']}: ", "yellow"), e["text"], f"  (line {e['line']})", indent=2)
+    if f.get("abort"):
+        a = f["abort"]
+        p.line(("C++ abort: ", "bold"), f"terminate called after throwing an instance of '{a['type']}'")
+        for w in a["what"].split("\n")[:4]:
+            p.line("what(): ", w, indent=2)
+        if a.get("raised_from"):
+            p.line("raised from ", a["raised_from"], indent=2)
+        if a.get("cxx_frames"):
+            p.line(f"{len(a['cxx_frames'])} C++ frames, top: ", a["cxx_frames"][0], indent=2)
+    elif f.get("cxx") and f["cxx"].get("cxx_frames"):
+        p.line(f"C++ trace: {len(f['cxx']['cxx_frames'])} frames, top: ", f["cxx"]["cxx_frames"][0])
+    if f.get("fatal"):
+        threads = f["fatal"]["threads"]
+        p.line(("fatal: ", "bold"), f"Fatal Python error: {f['fatal']['message']} ({len(threads)} thread(s) dumped)")
+        cur = [t for t in threads if t["current"]] or threads[:1]
+        for t in cur:
+            _print_frames(p, "current thread" if t["current"] else "first thread dumped", t["frames"], offline)
+    for exc in f.get("chain") or []:
+        label = f"traceback of {exc['type']}" if exc.get("type") else "traceback (its exception line is not in the log)"
+        _print_frames(p, label, exc["frames"], offline)
+        _print_frames(p, "traced by dynamo (from user code)", exc["user_frames"], offline)
+    differ = [fr for fr in finding_frames(f) if fr.get("same_code") is False]
+    if differ:
+        dists = sorted({f"{fr['dist']} {fr.get('version') or ''}".strip() for fr in differ if fr.get("dist")})
+        p.line((f"warning: {len(differ)} frame(s) show code this host does not have at that line: the log came from "
+                f"another version" + (f" (host: {', '.join(dists)})" if dists else ""), "yellow"))
+    if hits:
+        hit = hits[0]
+        p.line(("known issue ", "bold yellow"), (hit["id"], "bold yellow"), f" ({hit['category']}): ", hit["title"])
+        p.line(" ".join(str(hit["explanation"]).split()), indent=2)
+        for key, value in (hit.get("suggest") or {}).items():
+            p.line(f"suggest {key}: ", str(value), indent=2)
+        if hit.get("link"):
+            p.line("see: ", hit["link"], indent=2)
+        if len(hits) > 1:
+            p.line("also matches (less specific): ", ", ".join(f"{h['id']} ({h['category']})" for h in hits[1:]), indent=2)
+    else:
+        p.line(("no known issue matches this failure", "dim"))
+    if explain:
+        p.line(("call chain", "bold"))
+        for depth, step in enumerate(call_chain(f, hits[0].get("entry") if hits else None)):
+            p.line(f"{'  ' * min(depth, 12)}-> ", step, indent=2)
+
+
+def report(host: str, result: dict, issues: list[dict], *, explain: bool = False, as_json: bool = False,
+           redact: Callable[[str], str] | None = None, con=None) -> HostReport:
+    """Print one host's findings (text, or one JSON object per finding) and return its verdict."""
+    redact = redact or make_redactor(None)
+    p = _Printer(redact, con)
+    scan = result["scan"]
+    findings = scan["findings"]
+    rep = HostReport(host, findings=len(findings) + scan.get("more", 0))
+    offline = bool(result.get("offline"))
+    all_hits = [match(f, issues) for f in findings]
+    for hits in all_hits:
+        if hits:
+            rep.matched.append((hits[0]["id"], hits[0]["category"]))
+    if as_json:
+        for f, hits in zip(findings, all_hits):
+            line = json.dumps(_redact_json(to_json(host, result, f, hits), redact), sort_keys=True)
+            if con is not None:
+                con.out(line, highlight=False)
+            else:
+                sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        return rep
+    where = result.get("source") or "log"
+    if offline:
+        p.line((f"{host}: ", "bold"), f"{where} (offline: frames as the log shows them)")
+    elif result.get("release"):
+        status = result.get("release_status") or "unknown"
+        p.line((f"{host}: ", "bold"), f"release {result['release']} ({status}; {result.get('why', '')}): {where}")
+    else:
+        p.line((f"{host}: ", "bold"), where)
+    if result.get("truncated"):
+        p.line(("only the last 16 MiB of the log was read", "dim"))
+    for n, (f, hits) in enumerate(zip(findings, all_hits), 1):
+        print_finding(p, host, n, len(findings), f, hits, explain, offline)
+    if scan.get("more"):
+        p.line(f"... and {scan['more']} more failure(s) not shown")
     sys.stdout.flush()
-    return known
+    return rep
+
+
+def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=None) -> None:
+    """The verdict lines, last: one per host."""
+    reports = list(reports)
+    out = err_console if as_json else console
+    p = _Printer(redact or make_redactor(None), out)
+    for rep in reports:
+        p.line(f"{rep.host}: " if len(reports) > 1 else "", rep.verdict)
+
+
+def run(*, release: str = "", log: str = "", offline: bool = False, as_json: bool = False, explain: bool = False,
+        context: int = 3, allow_outside: bool = False, hosts: str | None = None, inventory: str | None = None) -> int:
+    """The diagnose verb. Returns the exit code: 0 matched or clean, 1 errors but no known issue,
+    2 bad input or a host that could not be read."""
+    from .cli import on_hosts, select
+    from .output import OK
+
+    ctx = parse_context(context)
+    validate_release(release)
+    issues = known_issues()
+    log_text = None
+    if log:
+        path = Path(log)
+        if not path.is_file():
+            raise DiagnoseError(f"--log {log!r}: no such local file")
+        log_text = path.read_text(errors="replace")
+    if offline:
+        if not log:
+            raise DiagnoseError("--offline diagnoses a local file: give it with --log FILE")
+        if release:
+            raise DiagnoseError("--offline reads --log FILE, not a release on a host")
+        redactor = None
+        if hosts:
+            _, targets = select(inventory, hosts)
+            if len(targets) == 1:
+                redactor = Redactor.for_host(targets[0])
+        redact = make_redactor(redactor)
+        rep = report(Path(log).name, scan_local(log_text, log), issues, explain=explain, as_json=as_json, redact=redact)
+        print_verdicts([rep], as_json, redact)
+        return rep.exit_code
+
+    redactors = {}
+
+    def op(hs):
+        redactors[hs.host.name] = hs.redactor
+        res = diagnose(hs, release or None, log_text, ctx, allow_outside, Path(log).name if log else None)
+        return OK, f"{len(res['scan']['findings'])} failure(s) in {res.get('release') or res.get('source')}", res
+
+    vr = on_hosts(inventory, hosts, op)
+    reports = []
+    for host, res in vr.each():
+        redact = make_redactor(redactors.get(host.name) or Redactor.for_host(host))
+        rep = report(host.name, res, issues, explain=explain, as_json=as_json, redact=redact)
+        reports.append(rep)
+        vr.recap.mark(host.name, OK, rep.verdict)
+    if as_json:
+        vr.recap.machine_output = True   # stdout carries only the JSON objects
+    vr.recap.render()
+    print_verdicts(reports, as_json)
+    if vr.recap.failed:
+        return 2
+    return max((r.exit_code for r in reports), default=0)

@@ -2,6 +2,21 @@
 
 Merging a child over its parent: mappings (server_args, env, health) merge key by key, with
 `null` deleting a key; `patches` and `crash_signatures` are unions in order; scalars override.
+
+Version-aware variants: a variant states its intent once in `server_args`, and `when:` maps it to
+the flags of particular SGLang releases, chosen by the host's installed sglang (PEP 440
+specifiers):
+
+    when:
+      - sglang: ">=0.5.15,<0.5.23"
+        note: piecewise is the tc_piecewise prefill backend
+        server_args: {enable-piecewise-cuda-graph: null, cuda-graph-backend-prefill: tc_piecewise}
+
+Every rule whose specifier contains the host's version is merged over the variant in order, with
+the same rules as `extends` (maps merge, `null` drops a key); rules may set `server_args`, `env`
+and `health`. A child's rules come after its parent's, so they win. With no sglang on the host
+(the lab's double), no rule applies. `resolve()` does the merge; `when_branches()` lists every
+combination of rules some version could select (the launch preflight checks them all at once).
 """
 
 from __future__ import annotations
@@ -13,19 +28,22 @@ from typing import Any
 
 import yaml
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from .errors import ServopsError
 from .schema import SchemaError, check_variant
 
 PLAYBOOK_ROOT = Path(os.environ.get("SERVOPS_PLAYBOOKS") or Path(__file__).resolve().parent.parent / "playbooks")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
-KNOWN_KEYS = {"extends", "template", "server_args", "env", "patches", "health", "crash_signatures",
-              "stop_grace", "description", "nnodes"}
 _MAPS = ("server_args", "env", "health")
 _LISTS = ("patches", "crash_signatures")
 # No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
+WHEN_KEYS = ("sglang", "note", "server_args", "env", "health")
+_WHEN_MAPS = ("server_args", "env", "health")
 
 
 class VariantError(ServopsError):
@@ -46,25 +64,47 @@ def _read(name: str, root: Path) -> dict:
         raise VariantError(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
     if not isinstance(data, dict):
         raise VariantError(f"{path}: must be a mapping")
-    try:
+    try:  # types, ranges, env names, flag names, regexes: one line naming the file and key
         data = check_variant(data, str(path))
     except SchemaError as exc:
         raise VariantError(str(exc)) from None
-    unknown = set(data) - KNOWN_KEYS
-    if unknown:
-        raise VariantError(f"{path}: unknown key '{sorted(unknown)[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})")
-    for key in _MAPS:
-        if key in data and data[key] is not None and not isinstance(data[key], dict):
-            raise VariantError(f"{path}: '{key}' must be a mapping")
-    for key in _LISTS:
-        if key in data and data[key] is not None and not isinstance(data[key], list):
-            raise VariantError(f"{path}: '{key}' must be a list")
-    for pattern in data.get("crash_signatures") or []:
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as exc:
-            raise VariantError(f"{path}: crash signature {pattern!r} is not a valid regex: {exc}") from None
+    if data.get("when") is not None:
+        data["when"] = _check_when(path, name, data["when"])
     return data
+
+
+def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
+    """`when:` rules, each validated (one-line errors naming the file and key) and tagged with
+    the variant that declared it."""
+    if not isinstance(rules, list):
+        raise VariantError(f"{path}: 'when' must be a list of rules like {{sglang: '>=0.5.15', server_args: {{...}}}}")
+    out = []
+    for i, rule in enumerate(rules):
+        where = f"{path}: when[{i}]"
+        if not isinstance(rule, dict):
+            raise VariantError(f"{where}: must be a mapping with 'sglang' and 'server_args', 'env' or 'health'")
+        unknown = sorted(set(rule) - set(WHEN_KEYS))
+        if unknown:
+            raise VariantError(f"{where}: unknown key '{unknown[0]}' (known: {', '.join(WHEN_KEYS)})")
+        spec = rule.get("sglang")
+        if not isinstance(spec, str) or not spec.strip():
+            raise VariantError(f"{where}.sglang: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
+        try:
+            parsed = SpecifierSet(spec)
+        except InvalidSpecifier:
+            raise VariantError(f"{where}.sglang: {spec!r} is not a PEP 440 version specifier "
+                               f"(e.g. '>=0.5.15,<0.5.23')") from None
+        if not len(parsed):
+            raise VariantError(f"{where}.sglang: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
+        for key in _WHEN_MAPS:
+            if key in rule and rule[key] is not None and not isinstance(rule[key], dict):
+                raise VariantError(f"{where}.{key}: must be a mapping")
+        if not any(rule.get(k) for k in _WHEN_MAPS):
+            raise VariantError(f"{where}: sets nothing; give server_args, env or health")
+        if "note" in rule and not isinstance(rule["note"], str):
+            raise VariantError(f"{where}.note: must be text")
+        out.append(dict(rule, sglang=spec.strip(), source=name))
+    return out
 
 
 def _merge(parent: dict, child: dict) -> dict:
@@ -72,7 +112,9 @@ def _merge(parent: dict, child: dict) -> dict:
     for key, value in child.items():
         if key == "extends":
             continue
-        if key in _MAPS:
+        if key == "when":
+            out[key] = list(parent.get(key) or []) + list(value or [])
+        elif key in _MAPS:
             merged = dict(parent.get(key) or {})
             for k, v in (value or {}).items():
                 if v is None:
@@ -112,4 +154,94 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
         merged.setdefault(key, {})
     for key in _LISTS:
         merged.setdefault(key, [])
+    merged.setdefault("when", [])
     return merged
+
+
+def describe_rule(rule: dict) -> str:
+    """'piecewise.yml when sglang >=0.5.23: -enable-piecewise-cuda-graph +cuda-graph-backend-prefill=breakable (note)'"""
+    changes = []
+    for key in _WHEN_MAPS:
+        for k, v in (rule.get(key) or {}).items():
+            prefix = "" if key == "server_args" else f"{key}."
+            if v is None:
+                changes.append(f"-{prefix}{k}")
+            elif v is True:
+                changes.append(f"+{prefix}{k}")
+            else:
+                changes.append(f"+{prefix}{k}={v}")
+    note = f" ({rule['note']})" if rule.get("note") else ""
+    return f"{rule.get('source', '?')}.yml when sglang {rule['sglang']}: {' '.join(changes)}{note}"
+
+
+def _version(sglang_version: str) -> Version:
+    try:
+        return Version(str(sglang_version))
+    except InvalidVersion:
+        raise VariantError(f"sglang version {sglang_version!r} on the host is not a PEP 440 version; "
+                           f"'when:' rules cannot be matched against it") from None
+
+
+def matching_rules(variant: dict, sglang_version: str | None) -> list[int]:
+    """Indexes of the `when:` rules whose specifier contains this sglang version (none without one)."""
+    if sglang_version is None:
+        return []
+    version = _version(sglang_version)
+    return [i for i, rule in enumerate(variant.get("when") or [])
+            if SpecifierSet(rule["sglang"]).contains(version, prereleases=True)]
+
+
+def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
+    """The variant with the given `when:` rules merged over it, in order."""
+    rules = variant.get("when") or []
+    out = {k: v for k, v in variant.items() if k != "when"}
+    applied = []
+    for i in indexes:
+        rule = rules[i]
+        out = _merge(out, {k: rule[k] for k in _WHEN_MAPS if rule.get(k)})
+        applied.append(describe_rule(rule))
+    out["when"] = []
+    return out, applied
+
+
+def resolve(variant: dict, sglang_version: str | None) -> tuple[dict, list[str]]:
+    """The variant as it launches on a host whose sglang is `sglang_version` (None: no sglang):
+    every matching `when:` rule merged in (maps merge, null drops a key), and a description of
+    each rule that applied. The result has no rules left (`when: []`), so resolving it again is a
+    no-op."""
+    return apply_rules(variant, matching_rules(variant, sglang_version))
+
+
+def _probe_versions(rules: list[dict]) -> list[str]:
+    """Versions that between them meet every combination of rules a real version can meet:
+    each version a specifier names, its pre-release, a version just above it, the next minor
+    of ~= and == .* specifiers, and one below them all."""
+    points: set[Version] = set()
+    for rule in rules:
+        for spec in SpecifierSet(rule["sglang"]):
+            text = spec.version.rstrip(".*")
+            try:
+                v = Version(text)
+            except InvalidVersion:
+                continue
+            release = list(v.release)
+            base = ".".join(map(str, release))
+            points.update({Version(base), Version(base + ".dev0"), Version(base + ".0.0.0.1")})
+            if spec.operator == "~=" or spec.version.endswith(".*"):
+                head = release[:-1] if spec.operator == "~=" and len(release) > 1 else release
+                bumped = head[:-1] + [head[-1] + 1] if head else [release[0] + 1]
+                points.add(Version(".".join(map(str, bumped))))
+            points.add(Version(str(v)))
+    points.add(Version("0"))
+    return [str(p) for p in sorted(points)]
+
+
+def when_branches(variant: dict) -> list[tuple[tuple[int, ...], str | None]]:
+    """Every distinct combination of `when:` rules some sglang version selects, as
+    (rule indexes, an example version), the no-sglang branch ((), None) first."""
+    rules = variant.get("when") or []
+    seen: dict[tuple[int, ...], str | None] = {(): None}
+    for probe in _probe_versions(rules) if rules else []:
+        key = tuple(matching_rules(variant, probe))
+        seen.setdefault(key, probe)
+    return list(seen.items())

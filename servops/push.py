@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
 
 from .errors import ServopsError
+
+# summary key -> metric name suffix (servops_bench_<suffix>)
+BENCH_GAUGES = ("output_tps", "request_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99",
+                "e2e_p50", "e2e_p99", "error_rate", "goodput", "achieved_concurrency", "max_output_tokens_per_s")
+
+
+def validate_url(url: str) -> str:
+    """The Pushgateway URL, checked before anything runs: http(s)://HOST[:PORT][/path]."""
+    text = (url or "").strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (not parts or parts.scheme not in ("http", "https") or not parts.hostname or any(ch.isspace() for ch in text)
+            or parts.query or parts.fragment):
+        raise ServopsError(f"--push {url!r}: expected a Pushgateway URL like http://pushgateway:9091")
+    del port
+    return text.rstrip("/")
 
 
 def _push(url: str, job: str, registry: CollectorRegistry, grouping: dict) -> None:
@@ -19,13 +39,13 @@ def _push(url: str, job: str, registry: CollectorRegistry, grouping: dict) -> No
 def push_bench(url: str, result: dict) -> None:
     reg = CollectorRegistry()
     labels = ["concurrency", "variant", "release"]
-    gauges = {k: Gauge(f"servops_bench_{k}", f"servops bench {k}", labels, registry=reg)
-              for k in ("output_tps", "request_rate", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+    gauges = {k: Gauge(f"servops_bench_{k}", f"servops bench {k} (mean over repeats)", labels, registry=reg)
+              for k in BENCH_GAUGES}
     for level in result["levels"]:
         for key, g in gauges.items():
             if level.get(key) is not None:
-                g.labels(str(level["concurrency"]), result["variant"] or "", result["release"] or "").set(level[key])
-    _push(url, "servops_bench", reg, {"instance": result["host"]})
+                g.labels(str(level["concurrency"]), result.get("variant") or "", result.get("release") or "").set(level[key])
+    _push(validate_url(url), "servops_bench", reg, {"instance": result["host"]})
 
 
 def push_deploy_event(url: str, host: str, variant: str, release: str, state: str) -> None:
@@ -33,17 +53,4 @@ def push_deploy_event(url: str, host: str, variant: str, release: str, state: st
     g = Gauge("servops_deploy_timestamp_seconds", "When servops last deployed", ["variant", "release", "outcome"],
               registry=reg)
     g.labels(variant, release, state).set(time.time())
-    _push(url, "servops_deploy", reg, {"instance": host})
-
-
-def validate_url(url: str) -> None:
-    """A Pushgateway address: http(s)://host[:port][/path], checked before anything runs."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
-        raise ServopsError(f"--push {url!r}: expected a Pushgateway URL like http://pushgateway:9091")
-    try:
-        parts.port
-    except ValueError:
-        raise ServopsError(f"--push {url!r}: the port is not a number 1-65535") from None
+    _push(validate_url(url), "servops_deploy", reg, {"instance": host})

@@ -205,6 +205,7 @@ VARIANT = {
     "crash_signatures": Field("list", nullable=True, items=Field("str", check=_regex)),
     "stop_grace": Field("number", low=0, what="seconds (a number >= 0)"),
     "nnodes": Field("int", 1, 64),
+    "when": Field("any", nullable=True),  # per-sglang-version rules: checked by servops.playbooks
 }
 
 

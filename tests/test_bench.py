@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from servops.bench import load_result
 from servops.lab.sshd import free_port
 from conftest import playbooks_with, run_invoke
 
@@ -17,7 +18,8 @@ from conftest import playbooks_with, run_invoke
 
 @pytest.fixture
 def bench_lab(lab, tmp_path):
-    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port()}})
+    # a secret whose value the double streams (" tok3"): results and output must mask it (issue 9.14)
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port(), "bench_api_token": "tok3"}})
     books = playbooks_with(tmp_path)
     env = {"SERVOPS_PLAYBOOKS": str(books), "SERVOPS_RESULTS": str(tmp_path / "results")}
     yield inv, books, env, tmp_path / "results"
@@ -28,29 +30,55 @@ def variant(books: Path, name: str, text: str) -> None:
     (books / f"{name}.yml").write_text(text)
 
 
+def saved(results: Path, pattern: str) -> dict:
+    [path] = list(results.glob(pattern))
+    return load_result(path)
+
+
 def test_bench_numbers_match_the_configured_double(bench_lab):
     inv, books, env, results = bench_lab
     variant(books, "paced", "extends: baseline\nenv: {SGLANG_DOUBLE_TOKEN_DELAY: '0.02', SGLANG_DOUBLE_TTFT: '0.05'}\n")
     assert run_invoke("deploy", "--variant", "paced", inventory=inv, env=env).returncode == 0
-    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", inventory=inv, env=env)
+    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", "--slo", "ttft:500,tpot:15",
+                     inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    [saved] = list(results.glob("lab1/*-paced/*.json"))
-    data = json.loads(saved.read_text())
+    assert "TPOT p50 ms" in res.stdout and "goodput" in res.stdout and "counted in words" in res.stdout
+    assert "lab1: level 4 [2/2]: 8/8 ok" in res.stderr
+    data = saved(results, "lab1/*-paced/*.jsonl")
     assert data["variant"] == "paced" and data["complete"] and data["servops_git"]
+    text = Path(data["path"]).read_text()
+    assert "tok3" not in text and " tok2***" not in text and " ***" in text and "tok3" not in res.stdout + res.stderr
     for level in data["levels"]:
-        assert level["completed"] == 8 and level["output_tokens"] == 80
+        assert level["completed"] == 8 and level["output_tokens"] == 80 and level["failed"] == 0
         assert 17.0 <= level["itl_p50"] <= 30.0, level      # 20 ms per token
-        assert 45.0 <= level["ttft_p50"] <= 80.0, level     # 50 ms to first token
-        # e2e ~= ttft + 9 * itl
-        assert 200.0 <= level["e2e_p50"] <= 320.0, level
-    # /metrics reflects the same traffic
+        assert 17.0 <= level["tpot_p50"] <= 30.0, level
+        assert 45.0 <= level["ttft_p50"] <= 85.0, level     # 50 ms to first token
+        assert 200.0 <= level["e2e_p50"] <= 330.0, level    # e2e ~= ttft + 9 * itl
+        assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 15
+        assert level["server"]["requests"] == 8             # the server's own count for the level
+    # /metrics reflects the same traffic (+ one warmup request per level)
     res = run_invoke("metrics", "--json", inventory=inv, env=env)
     assert res.returncode == 0, res.stderr
     [m] = json.loads(res.stdout)
-    assert m["ttft"]["count"] == 16 and 0.025 <= m["ttft"]["p50"] <= 0.1
+    assert m["ttft"]["count"] == 18 and 0.025 <= m["ttft"]["p50"] <= 0.1
     assert 0.01 <= m["itl"]["p50"] <= 0.025 and m["running"] == 0
     res = run_invoke("metrics", inventory=inv, env=env)
     assert res.returncode == 0 and "TTFT p50/p90/p99 ms" in res.stdout
+
+
+def test_bench_input_is_checked_before_any_connection(tmp_path):
+    env = {"SERVOPS_RESULTS": str(tmp_path)}
+    for args, msg in ((["--requests=-5"], "--requests -5: must be 0 or more"),
+                      (["--levels", "0"], "--levels '0': each level must be 1 or more"),
+                      (["--levels=-1"], "--levels '-1': each level must be 1 or more"),
+                      (["--push", "not a url"], "--push 'not a url': expected a Pushgateway URL"),
+                      (["--slo", "ttft=5"], "--slo 'ttft=5'"),
+                      (["--request-rate", "0"], "--request-rate '0': must be more than 0"),
+                      (["--repeat", "0"], "--repeat 0: must be 1 or more"),
+                      (["--dataset", "sharegpt"], "give the file with --dataset-path")):
+        res = run_invoke("bench", "-H", "nosuchhost-but-never-reached", *args, env=env)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert msg in res.stderr and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
 
 
 def test_compare_and_metric_gate(bench_lab):
@@ -102,11 +130,14 @@ def test_server_down_mid_bench_keeps_partial_results(bench_lab):
     res = run_invoke("bench", "--levels", "4,8", "--requests", "16", "--output-len", "4", inventory=inv, env=env)
     assert res.returncode != 0
     assert "incomplete" in res.stdout + res.stderr and "partial results in" in res.stdout + res.stderr
-    [saved] = list(results.glob("lab1/*-dies/*.json"))
-    data = json.loads(saved.read_text())
+    data = saved(results, "lab1/*-dies/*.jsonl")
     assert not data["complete"]
     assert data["levels"][0]["completed"] == 16  # the first level finished before the crash
-    assert data["levels"][1]["failed"] > 0
+    assert data["levels"][1]["failed"] > 0 and data["levels"][1]["completed"] < 16
+    assert data["levels"][1]["errors"] and "stopped answering" in data["stopped"]
+    [path] = list(results.glob("lab1/*-dies/*.jsonl"))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 2 and len(lines[1]["errors"]) == 16 and lines[1]["servops"]["failed"] > 0
 
 
 def test_push_to_a_real_pushgateway(bench_lab, tmp_path):

@@ -65,3 +65,35 @@ def build_venv() -> Path:
         install_flashinfer(venv)
         marker.write_text("ok\n")
     return venv
+
+
+# ---- sglang's real bench_serving, for bench/parity_bench_serving.py (never built by the tests) ----
+SGLANG_BENCH = "sglang==0.5.23"
+# What `import sglang.benchmark.serving` reaches in sglang 0.5.23 (installed --no-deps: the full
+# dependency set is the GPU server's). Its import chain reaches torch and torchvision: the
+# releases on this machine's disk (PyPI's torchvision build differs).
+BENCH_SERVING_REQUIREMENTS = [
+    "torch==2.14.1", "torchvision==0.29.1", "transformers==5.19.0", "tokenizers==0.23.2", "numpy", "aiohttp",
+    "requests", "tqdm", "msgspec", "orjson", "pillow", "psutil", "pybase64", "starlette", "pyzmq", "ipython",
+    "datasets", "apache-tvm-ffi==0.1.11", "sentencepiece==0.2.1", "compressed-tensors", "gguf", "prometheus-client",
+]
+
+
+def build_bench_serving_venv(log=print) -> Path:
+    """A venv (~6 GB, cached) where `python -m sglang.benchmark.serving` runs: sglang 0.5.23
+    --no-deps plus what its bench_serving module imports."""
+    blob = json.dumps([sys.version_info[:2], BENCH_SERVING_REQUIREMENTS, SGLANG_BENCH]).encode()
+    venv = CACHE / f"bench-serving-{hashlib.sha256(blob).hexdigest()[:12]}"
+    marker = venv / ".servops-bench-serving-ready"
+    if marker.exists():
+        return venv
+    if venv.exists():
+        subprocess.run(["rm", "-rf", str(venv)], check=True)
+    log(f"building the bench_serving venv {venv} (torch, transformers, sglang; several minutes, once)")
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = str(venv / "bin" / "python")
+    _run([py, "-m", "pip", "install", "-q", *BENCH_SERVING_REQUIREMENTS], stderr=subprocess.DEVNULL)
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", SGLANG_BENCH], stderr=subprocess.DEVNULL)
+    _run([py, "-W", "ignore", "-c", "import sglang.benchmark.serving"])
+    marker.write_text("ok\n")
+    return venv

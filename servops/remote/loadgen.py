@@ -1,61 +1,145 @@
-# The load generator: asyncio + aiohttp, streaming /v1/completions like sglang's bench_serving.
-# Runs on the host (shipped over stdin), so 1024 streams don't squeeze through one SSH channel;
-# bench/loadgen_overhead.py imports the same code locally. Needs aiohttp on that python
-# (SGLang's environment has it).
+# The load generator: asyncio + aiohttp, streaming like sglang's bench_serving
+# (sglang/benchmark/serving.py in sglang 0.5.23), with its metric definitions.
+#
+# Runs on the host (shipped over stdin, after _common.py), so 1024 streams don't squeeze through
+# one SSH channel; bench/loadgen_overhead.py and bench/parity_bench_serving.py run the same code
+# locally. Needs aiohttp on that python (SGLang's environment has it); a --tokenizer needs the
+# `tokenizers` package there too (SGLang's environment has it).
+#
+# Per level: warmup requests (excluded), /flush_cache, then the measured requests: at fixed
+# concurrency (request rate inf), or arriving as a Poisson/gamma process at --request-rate under
+# the level's concurrency cap. While a level runs, the server's /metrics is sampled (1 Hz, and
+# before/after for histogram deltas) and so is nvidia-smi where present.
+#
+# Output: one progress line {"progress": "level", "record": {...}} per finished level run (a
+# bench_serving-format result plus a "servops" block), progress lines for the bars, and the reply.
 import asyncio
 import json
-import sys
+import math
 import random
-import statistics
+import shutil
+import subprocess
+import sys
+import threading
 import time
 
 WORDS = ("the quick brown fox jumps over a lazy dog while servers stream tokens at scale "
          "under load with many concurrent requests").split()
+# random-ids without a tokenizer: ids every model's vocabulary has, clear of special tokens.
+IDS_LOW, IDS_HIGH = 1000, 30000
+GOODPUT_SLO_METRICS = ("ttft", "tpot", "e2el")
+FLUSH_TIMEOUT_S = 30.0  # seconds the server may take to become idle (sglang's ?timeout=)
 
 
-def make_prompts(n, input_len, dataset, seed=0):
+# ---------------------------------------------------------------------------------- datasets
+
+class Tokenizer:
+    """A Hugging Face tokenizer (a directory with tokenizer.json, or the file) via `tokenizers`."""
+
+    def __init__(self, path):
+        import os
+        from tokenizers import Tokenizer as _T
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.path = path
+        self.tok = _T.from_file(file)
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids)
+
+
+def random_lens(full, ratio, n, rnd):
+    """bench_serving's compute_random_lens: uniform in [max(int(full*ratio), 1), full]."""
+    if full <= 0:
+        return [0] * n
+    low = max(int(full * ratio), 1)
+    return [rnd.randint(min(low, full), full) for _ in range(n)]
+
+
+def _words(rnd, n):
+    return " ".join(rnd.choice(WORDS) for _ in range(n))
+
+
+def make_requests(spec, n, seed, tok=None):
+    """n request dicts {"prompt", "prompt_len", "output_len"} for a dataset spec.
+
+    spec: {"kind": random|random-ids|sharegpt|prompts, "input_len", "output_len", "range_ratio",
+    "rows": [[prompt, completion-or-null], ...] for the file datasets}. Lengths are tokens with a
+    tokenizer, words without (random-ids: always token ids)."""
     rnd = random.Random(seed)
-    if dataset and dataset != "random":
+    kind = spec.get("kind", "random")
+    in_len, out_len = int(spec.get("input_len", 128)), int(spec.get("output_len", 128))
+    ratio = float(spec.get("range_ratio", 1.0))
+    if kind in ("random", "random-ids"):
+        in_lens = random_lens(in_len, ratio, n, rnd)
+        out_lens = random_lens(out_len, ratio, n, rnd)
         out = []
-        for line in dataset.splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("{"):
-                obj = json.loads(line)
-                line = obj.get("prompt") or obj.get("text") or ""
-            out.append(line)
-        if not out:
-            raise ValueError("dataset has no prompts")
-        return [out[i % len(out)] for i in range(n)]
-    return [" ".join(rnd.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+        for i in range(n):
+            if kind == "random-ids":
+                high = tok.vocab_size if tok else IDS_HIGH
+                low = min(IDS_LOW, high // 4)
+                off = rnd.randrange(low, high)
+                ids = [low + (off - low + i + j) % (high - low) for j in range(in_lens[i])]
+                out.append({"prompt": ids, "prompt_len": in_lens[i], "output_len": out_lens[i]})
+            elif tok is not None:
+                ids = []
+                while len(ids) < in_lens[i]:
+                    ids += tok.encode(_words(rnd, in_lens[i] + 8) + " ")
+                out.append({"prompt": tok.decode(ids[:in_lens[i]]), "prompt_len": in_lens[i],
+                            "output_len": out_lens[i]})
+            else:
+                out.append({"prompt": _words(rnd, in_lens[i]), "prompt_len": in_lens[i], "output_len": out_lens[i]})
+        return out
+    rows = list(spec.get("rows") or [])
+    if not rows:
+        raise ValueError("the dataset has no prompts")
+    count = (lambda t: len(tok.encode(t))) if tok else (lambda t: len(t.split()))
+    rnd.shuffle(rows)
+    usable = []
+    for prompt, completion in rows:
+        plen = count(prompt)
+        olen = out_len if (out_len > 0 or completion is None) else count(completion)
+        if kind == "sharegpt" and (plen < 2 or olen < 2):
+            continue  # bench_serving prunes these too
+        if plen < 1:
+            continue
+        usable.append({"prompt": prompt, "prompt_len": plen, "output_len": olen or 128})
+        if len(usable) == n:
+            break
+    if not usable:
+        raise ValueError("no usable prompts in the dataset (each needs 2+ tokens and a 2+ token answer)")
+    return [dict(usable[i % len(usable)]) for i in range(n)]
 
 
-def pct(values, q):
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+# ---------------------------------------------------------------------------------- requests
+
+def new_record(req):
+    return {"ok": False, "start": 0.0, "ttft": 0.0, "itl": [], "latency": 0.0, "output_len": 0,
+            "prompt_len": req["prompt_len"], "text": [], "error": "", "client_s": 0.0,
+            "usage_source": None, "server_prompt_tokens": None, "dispatch": None}
 
 
-async def one_request(session, url, prompt, output_len, model):
-    # client_s: time spent in this function's own work (building, parsing, bookkeeping), which
-    # is what the load generator adds to every latency it reports.
+async def one_completion(session, url, req, model, rec):
+    """/v1/completions, streamed; output tokens from the final `usage` chunk."""
     t0 = time.perf_counter()
-    rec = {"ok": False, "ttft": None, "itl": [], "e2e": None, "output_tokens": 0, "error": None, "client_s": 0.0}
-    payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+    payload = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    text = rec["text"]
+    itl = rec["itl"]
+    chunks = 0
+    usage = None
     start = time.perf_counter()
+    rec["start"] = start
     rec["client_s"] += start - t0
     last = None
-    usage_tokens = None
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
-                rec["error"] = "HTTP %d" % resp.status
+                body = (await resp.text())[:300]
+                rec["error"] = "HTTP %d: %s" % (resp.status, body.strip())
                 return rec
             buf = b""
             async for chunk in resp.content.iter_any():
@@ -70,100 +154,668 @@ async def one_request(session, url, prompt, output_len, model):
                         if data == b"[DONE]":
                             continue
                         obj = json.loads(data)
-                        if obj.get("usage") and obj["usage"].get("completion_tokens"):
-                            usage_tokens = obj["usage"]["completion_tokens"]
-                        choices = obj.get("choices") or []
-                        if choices and choices[0].get("text"):
-                            now = time.perf_counter()
-                            if last is None:
-                                rec["ttft"] = now - start
-                            else:
-                                rec["itl"].append(now - last)
-                            last = now
-                            rec["output_tokens"] += 1
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+                        choices = obj.get("choices")
+                        if choices:
+                            piece = choices[0].get("text")
+                            if piece:
+                                if last is None:
+                                    rec["ttft"] = t_chunk - start
+                                else:
+                                    itl.append(t_chunk - last)
+                                last = t_chunk
+                                text.append(piece)
+                                chunks += 1
+                        elif obj.get("error") or obj.get("object") == "error":
+                            rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
                 rec["client_s"] += time.perf_counter() - t_chunk
-        rec["e2e"] = time.perf_counter() - start
-        if usage_tokens:
-            rec["output_tokens"] = usage_tokens
-        rec["ok"] = rec["output_tokens"] > 0
-        if not rec["ok"]:
-            rec["error"] = "no tokens streamed"
+        rec["latency"] = time.perf_counter() - start
     except Exception as exc:  # connection refused/reset: the server went away
         rec["error"] = "%s: %s" % (type(exc).__name__, exc)
+        return rec
+    if usage and usage.get("completion_tokens") is not None:
+        rec["output_len"] = int(usage["completion_tokens"])
+        rec["usage_source"] = "usage"
+        rec["server_prompt_tokens"] = usage.get("prompt_tokens")
+    else:
+        rec["output_len"] = chunks
+        rec["usage_source"] = "chunks"
+    if not rec["error"]:
+        rec["ok"] = chunks > 0
+        if not rec["ok"]:
+            rec["error"] = "no tokens streamed"
     return rec
 
 
-def summarize(level, records, duration):
+async def one_generate(session, url, req, model, rec):
+    """SGLang's native /generate with input_ids (random-ids), streamed with cumulative text."""
+    t0 = time.perf_counter()
+    prompt = req["prompt"]
+    payload = {("input_ids" if isinstance(prompt, list) else "text"): prompt, "stream": True,
+               "sampling_params": {"max_new_tokens": req["output_len"], "temperature": 0.0, "ignore_eos": True}}
+    itl = rec["itl"]
+    start = time.perf_counter()
+    rec["start"] = start
+    rec["client_s"] += start - t0
+    last = None
+    out_len = 0
+    generated = ""
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                rec["error"] = "HTTP %d: %s" % (resp.status, body.strip())
+                return rec
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                t_chunk = time.perf_counter()
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        obj = json.loads(data)
+                        meta = obj.get("meta_info") or {}
+                        if obj.get("text"):
+                            n_now = int(meta.get("completion_tokens", out_len + 1))
+                            if last is None:
+                                rec["ttft"] = t_chunk - start
+                            else:
+                                new = n_now - out_len
+                                if new <= 0:
+                                    continue
+                                itl.extend([(t_chunk - last) / new] * new)  # as bench_serving does
+                            last = t_chunk
+                            out_len = n_now
+                            generated = obj["text"]
+                            rec["server_prompt_tokens"] = meta.get("prompt_tokens")
+                        elif obj.get("error"):
+                            rec["error"] = "server error in stream: %s" % str(obj["error"])[:300]
+                rec["client_s"] += time.perf_counter() - t_chunk
+        rec["latency"] = time.perf_counter() - start
+    except Exception as exc:
+        rec["error"] = "%s: %s" % (type(exc).__name__, exc)
+        return rec
+    rec["text"] = [generated]
+    rec["output_len"] = out_len
+    rec["usage_source"] = "meta_info"
+    if not rec["error"]:
+        rec["ok"] = out_len > 0
+        if not rec["ok"]:
+            rec["error"] = "no tokens streamed"
+    return rec
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+def pct(values, q):
+    """numpy.percentile's default (linear) rule."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def mean(values):
+    return math.fsum(values) / len(values) if values else None
+
+
+def std(values):
+    """Population standard deviation, as numpy.std."""
+    if not values:
+        return None
+    m = mean(values)
+    return math.sqrt(math.fsum((v - m) ** 2 for v in values) / len(values))
+
+
+def _stats_ms(values):
+    """bench_serving's (mean, median, std, p90, p95, p99) in ms; an empty list gives 0 as it does."""
+    vals = values or [0.0]
+    return [x * 1000.0 for x in (mean(vals), pct(vals, 50), std(vals), pct(vals, 90), pct(vals, 95), pct(vals, 99))]
+
+
+def peaks(records):
+    """bench_serving's max_output_tokens_per_s and max_concurrent_requests (1 s buckets)."""
     ok = [r for r in records if r["ok"]]
-    itl = [x for r in ok for x in r["itl"]]
-    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    e2e = [r["e2e"] for r in ok]
-    out_tokens = sum(r["output_tokens"] for r in ok)
-    errors = {}
+    if not ok:
+        return 0.0, 0
+    t0 = min(r["start"] for r in ok)
+    t1 = max(r["start"] + r["latency"] for r in ok)
+    n = int(math.ceil(t1 - t0)) + 1
+    tokens = [0] * n
+    conc = [0] * n
+    for r in ok:
+        t = r["start"] + r["ttft"]
+        times = [t]
+        for gap in r["itl"]:
+            t += gap
+            times.append(t)
+        for tt in times:
+            b = int(tt - t0)
+            if 0 <= b < n:
+                tokens[b] += 1
+        first, last = int(r["start"] - t0), int(r["start"] + r["latency"] - t0)
+        for s in range(first, min(last + 1, n)):
+            conc[s] += 1
+    return float(max(tokens)), int(max(conc))
+
+
+def goodput(records, slos, duration):
+    """bench_serving's calculate_goodput: slos {ttft|tpot|e2el: ms}."""
+    good = 0
+    met = dict((k, 0) for k in slos)
     for r in records:
         if not r["ok"]:
-            errors[r["error"]] = errors.get(r["error"], 0) + 1
-    ms = lambda v: None if v is None else v * 1000.0
-    return {
-        "concurrency": level, "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
-        "duration_s": duration, "request_rate": len(ok) / duration if duration else 0.0,
-        "output_tps": out_tokens / duration if duration else 0.0, "output_tokens": out_tokens,
-        "ttft_p50": ms(pct(ttft, 50)), "ttft_p99": ms(pct(ttft, 99)), "ttft_mean": ms(statistics.fmean(ttft)) if ttft else None,
-        "itl_p50": ms(pct(itl, 50)), "itl_p99": ms(pct(itl, 99)), "itl_mean": ms(statistics.fmean(itl)) if itl else None,
-        "e2e_p50": ms(pct(e2e, 50)), "e2e_p99": ms(pct(e2e, 99)), "errors": errors,
+            continue
+        tpot = (r["latency"] - r["ttft"]) / (r["output_len"] - 1) if r["output_len"] > 1 else 0.0
+        observed = {"ttft": r["ttft"] * 1000, "tpot": tpot * 1000, "e2el": r["latency"] * 1000}
+        hits = [k for k, slo in slos.items() if observed[k] <= slo]
+        for k in hits:
+            met[k] += 1
+        if len(hits) == len(slos):
+            good += 1
+    n = len(records) or 1
+    return {"goodput_slos_ms": dict(slos), "request_goodput": good / duration if duration else 0.0,
+            "slo_attainment": good / n, "slo_attainment_by_metric": dict((k, v / n) for k, v in met.items())}
+
+
+def calculate(records, duration, cfg):
+    """One bench_serving result line (its keys, in its order, with its meanings) for one level run.
+
+    cfg: request_rate, max_concurrency, dataset_name, input_len, output_len, range_ratio, slo."""
+    ok = [r for r in records if r["ok"]]
+    ttfts = [r["ttft"] for r in ok]
+    e2e = [r["latency"] for r in ok]
+    itls = [x for r in ok for x in r["itl"]]
+    tpots = [(r["latency"] - r["ttft"]) / (r["output_len"] - 1) for r in ok if r["output_len"] > 1]
+    output_lens = [r["output_len"] if r["ok"] else 0 for r in records]
+    total_in = sum(r["prompt_len"] for r in ok)
+    total_out = sum(output_lens)
+    dur = duration or 1e-9
+    max_tps, max_conc = peaks(records)
+    res = {
+        "tag": None, "backend": cfg.get("backend", "sglang-oai"), "dataset_name": cfg.get("dataset_name", "random"),
+        "request_rate": cfg["request_rate"], "max_concurrency": cfg["max_concurrency"],
+        "sharegpt_output_len": cfg.get("sharegpt_output_len"), "random_input_len": cfg.get("input_len"),
+        "random_output_len": cfg.get("output_len"), "random_range_ratio": cfg.get("range_ratio"),
+        "server_info": cfg.get("server_info"),
+        "duration": duration, "completed": len(ok), "total_input_tokens": total_in,
+        "total_input_text_tokens": total_in, "total_input_vision_tokens": 0, "total_output_tokens": total_out,
+        "total_output_tokens_retokenized": total_out,
+        "request_throughput": len(ok) / dur, "input_throughput": total_in / dur, "output_throughput": total_out / dur,
+        "total_throughput": (total_in + total_out) / dur,
     }
+    for name, values in (("e2e_latency", e2e), ("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
+        if name == "e2e_latency" and not values:
+            stats = [None] * 6  # bench_serving writes NaN here; JSON null means the same
+        else:
+            stats = _stats_ms(values)
+        for prefix, v in zip(("mean", "median", "std", "p90", "p95", "p99"), stats):
+            res["%s_%s_ms" % (prefix, name)] = v
+    res["concurrency"] = math.fsum(e2e) / dur
+    res["accept_length"] = None
+    res["max_output_tokens_per_s"] = max_tps
+    res["max_concurrent_requests"] = max_conc
+    if cfg.get("slo"):
+        res.update(goodput(records, cfg["slo"], dur))
+    # bench_serving's --output-details keys: the per-request data
+    res["input_lens"] = [r["prompt_len"] for r in records]
+    res["output_lens"] = output_lens
+    res["ttfts"] = [round(r["ttft"], 6) for r in records]
+    res["itls"] = [[round(x, 6) for x in r["itl"]] for r in records]
+    res["generated_texts"] = ["".join(r["text"]) for r in records]
+    res["errors"] = [r["error"] for r in records]
+    return res
 
 
-async def run_level(url, prompts, output_len, level, model, progress=None):
+# ---------------------------------------------------------------------------------- server side
+
+def parse_prom(text):
+    """Minimal Prometheus text parser: {(name, frozenset(labels minus model_name)): value}."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        try:
+            if "{" in line:
+                name, rest = line.split("{", 1)
+                labels_text, value_text = rest.rsplit("}", 1)
+                labels = []
+                for part in labels_text.split('",'):
+                    if "=" not in part:
+                        continue
+                    k, v = part.split("=", 1)
+                    k = k.strip().strip(",")
+                    if k in ("le", "quantile"):
+                        labels.append((k, v.strip().strip('"')))
+            else:
+                name, value_text = line.split(None, 1)
+                labels = []
+            value = float(value_text.split()[0])
+        except ValueError:
+            continue
+        key = (name.strip(), frozenset(labels))
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _metric(snap, name):
+    return sum(v for (n, labels), v in snap.items() if n == name and not labels) if snap else None
+
+
+def _present(snap, name):
+    return bool(snap) and any(n == name for (n, _l) in snap)
+
+
+HISTS = {"ttft": "sglang:time_to_first_token_seconds", "itl": "sglang:inter_token_latency_seconds",
+         "e2e": "sglang:e2e_request_latency_seconds", "queue": "sglang:queue_time_seconds"}
+COUNTERS = {"prompt_tokens": "sglang:prompt_tokens_total", "generation_tokens": "sglang:generation_tokens_total",
+            "requests": "sglang:num_requests_total", "retractions": "sglang:num_retracted_requests_total",
+            "aborted": "sglang:num_aborted_requests_total"}
+GAUGES = {"running": "sglang:num_running_reqs", "queued": "sglang:num_queue_reqs",
+          "token_usage": "sglang:token_usage", "gen_throughput": "sglang:gen_throughput",
+          "retracted": "sglang:num_retracted_reqs"}
+
+
+def hist_delta(a, b, base):
+    """Bucket counts of histogram `base` between snapshots a and b: [[le, count], ...]."""
+    if not _present(b, base + "_bucket"):
+        return None
+    buckets = {}
+    for (n, labels), v in b.items():
+        if n == base + "_bucket":
+            le = dict(labels).get("le")
+            buckets[le] = buckets.get(le, 0.0) + v - (a or {}).get((n, labels), 0.0)
+    rows = sorted(([float(le), c] for le, c in buckets.items()), key=lambda r: r[0])
+    return {"buckets": [["+Inf" if math.isinf(le) else le, c] for le, c in rows],
+            "count": (_metric(b, base + "_count") or 0.0) - (_metric(a, base + "_count") or 0.0),
+            "sum": (_metric(b, base + "_sum") or 0.0) - (_metric(a, base + "_sum") or 0.0)}
+
+
+class GpuSampler:
+    """nvidia-smi's own 1 Hz loop (-lms 1000), read on a thread."""
+    FIELDS = "index,utilization.gpu,memory.used,memory.total,power.draw,clocks.sm,temperature.gpu"
+
+    def __init__(self):
+        self.samples = []
+        self.error = None
+        self.proc = None
+        self.t0 = time.time()
+        smi = shutil.which("nvidia-smi")
+        if not smi:
+            self.error = "nvidia-smi not found on the host"
+            return
+        try:
+            self.proc = subprocess.Popen([smi, "--query-gpu=" + self.FIELDS, "--format=csv,noheader,nounits",
+                                          "-lms", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+        except OSError as exc:
+            self.error = "nvidia-smi: %s" % exc
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 7:
+                continue
+            row = [round(time.time() - self.t0, 3)]
+            for p in parts:
+                try:
+                    row.append(float(p))
+                except ValueError:
+                    row.append(None)
+            self.samples.append(row)
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            if not self.samples:
+                err = (self.proc.stderr.read() or "").strip().splitlines()
+                self.error = "nvidia-smi gave no samples" + (": " + err[-1] if err else "")
+        out = {"fields": ["t_s"] + self.FIELDS.split(","), "samples": self.samples}
+        if self.error:
+            out["error"] = self.error
+        if self.samples:
+            by_gpu = {}
+            for row in self.samples:
+                by_gpu.setdefault(int(row[1]), []).append(row)
+            out["summary"] = [{"index": g, "util_mean": mean([r[2] for r in rows if r[2] is not None]),
+                               "util_max": max((r[2] for r in rows if r[2] is not None), default=None),
+                               "mem_used_max_mib": max((r[3] for r in rows if r[3] is not None), default=None),
+                               "mem_total_mib": rows[-1][4],
+                               "power_max_w": max((r[5] for r in rows if r[5] is not None), default=None),
+                               "sm_clock_min_mhz": min((r[6] for r in rows if r[6] is not None), default=None),
+                               "temp_max_c": max((r[7] for r in rows if r[7] is not None), default=None)}
+                              for g, rows in sorted(by_gpu.items())]
+        return out
+
+
+class ServerMonitor:
+    """/metrics before, during (at 0.25 s, then every second) and after a level."""
+
+    def __init__(self, session, base):
+        self.session = session
+        self.url = base + "/metrics"
+        self.series = []
+        self.error = None
+        self.first = self.last = None
+        self.t0 = time.perf_counter()
+        self._task = None
+
+    async def scrape(self):
+        import aiohttp
+        try:
+            async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    self.error = "/metrics: HTTP %d" % resp.status
+                    return None
+                return parse_prom(await resp.text())
+        except Exception as exc:
+            self.error = "/metrics: %s: %s" % (type(exc).__name__, exc)
+            return None
+
+    async def start(self):
+        self.first = await self.scrape()
+        self.t0 = time.perf_counter()
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self):
+        wait = 0.25  # an early look at a short level, then 1 Hz
+        while True:
+            await asyncio.sleep(wait)
+            wait = 1.0
+            snap = await self.scrape()
+            if snap:
+                self._sample(snap)
+
+    def _sample(self, snap):
+        self.series.append([round(time.perf_counter() - self.t0, 3)] + [_metric(snap, GAUGES[k]) for k in
+                                                                       ("running", "queued", "token_usage", "gen_throughput")])
+
+    async def stop(self):
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.last = await self.scrape()
+        if self.last:
+            self._sample(self.last)
+        return self.report()
+
+    def report(self):
+        a, b = self.first, self.last
+        out = {"series_fields": ["t_s", "running", "queued", "token_usage", "gen_throughput"], "series": self.series}
+        if self.error:
+            out["error"] = self.error
+        if not b:
+            return out
+        col = lambda i: [row[i] for row in self.series if row[i] is not None]
+        out["max_running"] = max(col(1), default=None)
+        out["max_queue"] = max(col(2), default=None)
+        out["max_token_usage"] = max(col(3), default=None)
+        out["max_gen_throughput"] = max(col(4), default=None)
+        for key, name in COUNTERS.items():
+            if _present(b, name):
+                out[key] = (_metric(b, name) or 0.0) - ((_metric(a, name) or 0.0) if a else 0.0)
+        if _present(b, GAUGES["retracted"]):
+            out["max_retracted"] = _metric(b, GAUGES["retracted"])
+        out["histograms"] = dict((k, d) for k, d in ((k, hist_delta(a, b, n)) for k, n in HISTS.items()) if d)
+        return out
+
+
+async def flush_cache(session, base, wait=FLUSH_TIMEOUT_S):
     import aiohttp
-    queue = list(enumerate(prompts))
-    records = [None] * len(prompts)
+    try:
+        async with session.post(base + "/flush_cache", params={"timeout": str(wait)},
+                                timeout=aiohttp.ClientTimeout(total=wait + 10)) as resp:
+            text = (await resp.text()).strip()
+            return {"requested": True, "ok": resp.status == 200, "status": resp.status, "message": text[:300]}
+    except Exception as exc:
+        return {"requested": True, "ok": False, "status": None, "message": "%s: %s" % (type(exc).__name__, exc)}
+
+
+async def get_json(session, url):
+    import aiohttp
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status == 200:
+                return await resp.json(content_type=None)
+    except Exception:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------- one level
+
+def arrival_offsets(n, rate, burstiness, rnd):
+    """Send times (s from the start): all at 0 for rate inf, else a gamma process with mean
+    interval 1/rate (burstiness 1: Poisson), as vLLM's and older bench_serving's get_request."""
+    if rate is None or math.isinf(rate):
+        return [0.0] * n
+    theta = 1.0 / (rate * burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rnd.gammavariate(burstiness, theta)
+    return out
+
+
+async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/completions", rate=None,
+                    burstiness=1.0, seed=0, warmup=0, flush=False, progress=None, monitor=True,
+                    flush_timeout=FLUSH_TIMEOUT_S):
+    """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry."""
+    import aiohttp
+    call = one_generate if endpoint == "/generate" else one_completion
+    url = base + endpoint
+    records = [None] * len(reqs)
+    info = {"warmup": {"requests": warmup}}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     done = [0]
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        async def worker():
-            while queue:
-                i, prompt = queue.pop()
-                records[i] = await one_request(session, url, prompt, output_len, model)
+        if warmup:
+            first = dict(reqs[0], output_len=min(reqs[0]["output_len"], 32))
+            sem = asyncio.Semaphore(concurrency)
+
+            async def warm():
+                async with sem:
+                    return await call(session, url, first, model, new_record(first))
+
+            outs = await asyncio.gather(*(warm() for _ in range(warmup)))
+            info["warmup"]["ok"] = sum(1 for r in outs if r["ok"])
+            if not info["warmup"]["ok"]:
+                info["warmup"]["error"] = outs[0]["error"]
+                for i, req in enumerate(reqs):
+                    records[i] = new_record(req)
+                    records[i]["error"] = "not sent: warmup failed: %s" % outs[0]["error"]
+                return records, 0.0, info
+        info["flush_cache"] = (await flush_cache(session, base, flush_timeout)) if flush else {"requested": False}
+        gpu = GpuSampler() if monitor else None
+        mon = ServerMonitor(session, base) if monitor else None
+        if mon:
+            await mon.start()
+        offsets = arrival_offsets(len(reqs), rate, burstiness, random.Random(seed * 7919 + 17))
+        start = time.perf_counter()
+        if rate is None or math.isinf(rate):
+            # fixed concurrency: `concurrency` workers, each sending its next request at once
+            queue = list(range(len(reqs) - 1, -1, -1))
+
+            async def worker():
+                while queue:
+                    i = queue.pop()
+                    rec = new_record(reqs[i])
+                    rec["dispatch"] = time.perf_counter() - start
+                    records[i] = await call(session, url, reqs[i], model, rec)
+                    done[0] += 1
+                    if progress:
+                        progress(done[0], len(reqs))
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
+        else:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def limited(i, rec):
+                async with sem:
+                    records[i] = await call(session, url, reqs[i], model, rec)
                 done[0] += 1
                 if progress:
-                    progress(level, done[0], len(prompts))
+                    progress(done[0], len(reqs))
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(level, len(prompts)))))
+            tasks = []
+            for i, off in enumerate(offsets):
+                delay = start + off - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                rec = new_record(reqs[i])
+                rec["dispatch"] = time.perf_counter() - start
+                tasks.append(asyncio.ensure_future(limited(i, rec)))
+            await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return records, duration
+        if mon:
+            info["server_metrics"] = await mon.stop()
+        if gpu:
+            info["gpu"] = gpu.stop()
+    for i, r in enumerate(records):
+        if r is None:
+            records[i] = new_record(reqs[i])
+            records[i]["error"] = "not sent"
+    return records, duration, info
 
 
-def bench(url, levels, requests, input_len, output_len, dataset=None, model="default", progress=None):
-    results = []
-    for level in levels:
-        n = requests or max(2 * level, 16)
-        prompts = make_prompts(n, input_len, dataset, seed=level)
-        records, duration = asyncio.run(run_level(url, prompts, output_len, level, model, progress))
-        summary = summarize(level, records, duration)
-        results.append(summary)
-        if summary["completed"] == 0 or summary["failed"] * 2 > summary["requests"]:
-            break  # the server is gone; keep what was measured
-    return results
+def servops_block(records, duration, info, level, repeat, spec, tok_path):
+    """servops' own per-run data: what bench_serving's keys do not carry."""
+    ok = [r for r in records if r["ok"]]
+    errors = {}
+    for r in records:
+        if not r["ok"]:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    starts = [r["start"] for r in records if r["start"]]
+    t0 = min(starts) if starts else 0.0
+    dispatch = sorted(r["dispatch"] for r in records if r["dispatch"] is not None)
+    sources = sorted(set(r["usage_source"] for r in ok if r["usage_source"]))
+    block = {
+        "level": level, "repeat": repeat, "requests": len(records), "failed": len(records) - len(ok),
+        "errors": errors, "duration_s": duration,
+        "achieved_request_rate": ((len(dispatch) - 1) / (dispatch[-1] - dispatch[0])
+                                  if len(dispatch) > 1 and dispatch[-1] > dispatch[0] else None),
+        "output_tokens_from": sources[0] if len(sources) == 1 else (sources or None),
+        "input_len_unit": "tokens" if (tok_path or spec.get("kind") == "random-ids") else "words",
+        "tokenizer": tok_path,
+        "per_request": {
+            "start_s": [round(r["start"] - t0, 6) if r["start"] else None for r in records],
+            "dispatch_s": [None if r["dispatch"] is None else round(r["dispatch"], 6) for r in records],
+            "latency_s": [round(r["latency"], 6) for r in records],
+            "server_prompt_tokens": [r["server_prompt_tokens"] for r in records],
+            "client_ms": [round(r["client_s"] * 1000, 4) for r in records],
+        },
+    }
+    block.update(info)
+    return block
+
+
+# ---------------------------------------------------------------------------------- main
+
+def bench(base, args, emit, progress=None):
+    """Run every level (x repeats); emit(record) per finished run. Returns a stop reason or None."""
+    tok = Tokenizer(args["tokenizer"]) if args.get("tokenizer") else None
+    spec = args.get("dataset") or {"kind": "random"}
+    spec = dict(spec, input_len=args.get("input_len", 128), output_len=args.get("output_len", 128),
+                range_ratio=args.get("range_ratio", 1.0))
+    rate = args.get("request_rate")
+    rate = None if rate in (None, "inf") else float(rate)
+    endpoint = "/generate" if spec.get("kind") == "random-ids" else "/v1/completions"
+    loop = asyncio.new_event_loop()
+    try:
+        setup = loop.run_until_complete(_setup(base))
+        for level in args["levels"]:
+            n = int(args.get("requests") or 0) or max(2 * level, 16)
+            reqs = make_requests(spec, n, int(args.get("seed", 42)) * 1000003 + level, tok)
+            for rep in range(int(args.get("repeat", 1))):
+                if progress:
+                    progress(level, rep, 0, n)
+                cb = (lambda d, t, _l=level, _r=rep: progress(_l, _r, d, t)) if progress else None
+                records, duration, info = loop.run_until_complete(run_level(
+                    base, reqs, level, args.get("model", "default"), endpoint, rate,
+                    float(args.get("burstiness", 1.0)), int(args.get("seed", 42)) + level * 31 + rep,
+                    int(args.get("warmup", 0)), bool(args.get("flush_cache", False)), cb,
+                    bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S))))
+                cfg = {"request_rate": float("inf") if rate is None else rate, "max_concurrency": level,
+                       "dataset_name": spec.get("kind"), "input_len": spec["input_len"],
+                       "output_len": spec["output_len"], "range_ratio": spec["range_ratio"],
+                       "backend": "sglang" if endpoint == "/generate" else "sglang-oai",
+                       "sharegpt_output_len": (spec["output_len"] or None) if spec.get("kind") == "sharegpt" else None,
+                       "server_info": setup["server_info"], "slo": args.get("slo")}
+                line = calculate(records, duration, cfg)
+                block = servops_block(records, duration, info, level, rep, spec, args.get("tokenizer"))
+                block["sglang_version"] = setup["sglang_version"]
+                line["servops"] = block
+                stop = None
+                if line["completed"] == 0 or block["failed"] * 2 > block["requests"]:
+                    stop = "level %d: %d of %d requests failed; the server stopped answering" % (
+                        level, block["failed"], block["requests"])
+                block["stopped"] = stop
+                emit(line)
+                if stop:
+                    return stop
+    finally:
+        loop.close()
+    return None
+
+
+async def _setup(base):
+    import aiohttp
+    async with aiohttp.ClientSession() as session:
+        info = await get_json(session, base + "/server_info")
+    version = None
+    try:
+        meta = find_dist("sglang")  # noqa: F821 - from _common
+        version = meta and meta["version"]
+    except Exception:
+        pass
+    return {"server_info": info, "sglang_version": version}
 
 
 if __name__ == "__main__":
     last_report = [0.0]
 
-    def report(level, done, total):
+    def report(level, rep, done, total):
         now = time.time()
-        if now - last_report[0] > 0.5 or done == total:
+        if now - last_report[0] > 0.5 or done in (0, total):
             last_report[0] = now
-            sys.stdout.write(json.dumps({"progress": done, "total": total, "level": level}) + "\n")
+            sys.stdout.write(json.dumps({"progress": done, "total": total, "level": level, "repeat": rep}) + "\n")
             sys.stdout.flush()
+
+    def emit(line):
+        sys.stdout.write(json.dumps({"progress": "level", "record": line}) + "\n")
+        sys.stdout.flush()
 
     try:
         import aiohttp  # noqa: F401
     except ImportError:
-        fail("the load generator needs aiohttp in the host's python (%s)" % sys.executable)
-    url = "http://127.0.0.1:%d/v1/completions" % int(ARGS["port"])
-    results = bench(url, ARGS["levels"], ARGS.get("requests", 0), ARGS.get("input_len", 128),
-                    ARGS.get("output_len", 128), ARGS.get("dataset"), ARGS.get("model", "default"), report)
-    reply({"site": [], "levels": results})
+        fail("the load generator needs aiohttp in the host's python (%s)" % sys.executable)  # noqa: F821
+    if ARGS.get("tokenizer"):  # noqa: F821
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            fail("--tokenizer needs the `tokenizers` package in the host's python (%s)" % sys.executable)  # noqa: F821
+    base = "http://127.0.0.1:%d" % int(ARGS["port"])  # noqa: F821
+    try:
+        stopped = bench(base, ARGS, emit, report)  # noqa: F821
+    except (OSError, ValueError) as exc:
+        fail("%s: %s" % (type(exc).__name__, exc))  # noqa: F821
+    reply({"site": [], "stopped": stopped})  # noqa: F821

@@ -1,71 +1,545 @@
-# Python traceback extraction from server logs. Standard library only: used locally and
-# shipped to the host inside the diagnose program.
+# Failures in server logs: Python tracebacks with their whole exception chain (and what was
+# printed above the header), C++ aborts (`terminate called ...` / `what():` / `frame #N`), NCCL
+# and CUDA error lines, `Fatal Python error` with its stack, signals, SGLang/vLLM fatal lines.
+# Standard library only: used locally (`--offline`) and shipped to the host, after logscan.py,
+# inside the diagnose program. scan(text) is the entry point; it returns plain dicts (JSON).
 import re as _re
 
-_TB_START = _re.compile(r"Traceback \(most recent call last\):")
-_FRAME = _re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
-# The line after the frames: `module.ExceptionType: message` (or a bare type).
-_EXC = _re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
-_USER_CODE = _re.compile(r"^from user code:")
+if "normalise" not in globals():  # imported as a module; the host program has logscan.py above
+    from .logscan import normalise, streams  # noqa: F401
+
+_TB_START = _re.compile(r"Traceback \(most recent call last\):?")
+_FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in ?(?P<func>.*?))?\s*$')
+_CARETS = _re.compile(r"^\s*[\^~]+[\s\^~]*$")
+_EXC_LINE = _re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::(?:\s(?P<msg>.*))?)?$")
+_EXC_NAME = r"(?:[A-Za-z_]\w*\.)*(?=[A-Z])(?:\w+?(?:Error|Exception|Unsupported|Exit|Interrupt|Failure|Timeout|OutOfResources)|Exception|Unsupported|OutOfResources)"
+_EXC_EMBEDDED = _re.compile(r"(?:^|(?<=\s))(?P<type>" + _EXC_NAME + r"): (?P<msg>\S.*)$")
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+_USER_CODE = _re.compile(r"^\s*from user code:\s*$")
 _DEBUG_CTX = _re.compile(r"module: (?P<module>[\w.]+), qualname: (?P<qualname>[\w.]+)")
+_TERMINATE = _re.compile(r"terminate called (?:after throwing an instance of '(?P<type>[^']+)'|recursively|without an active exception)")
+_WHAT = _re.compile(r"^\s*what\(\):\s*(?P<msg>.*)$")
+_RAISED_FROM = _re.compile(r"Exception raised from (?P<fn>\S+) at (?P<where>\S+) \(most recent call first\):")
+_CXX_FRAME = _re.compile(r"^\s*frame #\d+: (?P<sym>.*?)(?: \+ 0x[0-9a-fA-F]+)?(?: \((?:0x[0-9a-fA-F]+ in )?[^()]*\)| \[0x[0-9a-fA-F]+\])?\s*$")
+_FATAL = _re.compile(r"Fatal Python error: (?P<msg>.+)")
+_THREAD = _re.compile(r"^\s*(?P<current>Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
+_WARNING_STACK = _re.compile(r"originates from:\s*$|\bWarning: |^\s*Stack \(most recent call last\):")
+_PROCESS_HEADER = _re.compile(r"^Process [\w.-]+:\s*$")  # multiprocessing, before a child's traceback
+_QUIET_LEVELS = ("INFO", "DEBUG", "TRACE", "NOTICE", "WARN", "WARNING")
+
+# Lines that are evidence on their own. "consequence" classes report that something already
+# failed (a child died, a worker did not start, an exit code): they join the failure they follow.
+_ERROR_CLASSES = [
+    ("cuda", _re.compile(r"CUDA (?:error|Error|ERROR)\b|\bcudaError[A-Z]\w+|CUDA out of memory|CUBLAS_STATUS_(?!SUCCESS)[A-Z_]+|"
+                         r"CUDNN_STATUS_(?!SUCCESS)[A-Z_]+|an illegal memory access was encountered|device-side assert(?:ion)? triggered|"
+                         r"no kernel image is available|misaligned address|unspecified launch failure")),
+    ("nccl", _re.compile(r"Watchdog caught collective operation timeout|\bNCCL (?:error|Error|ERROR)\b|\bnccl[A-Z]\w*Error\b|"
+                         r"ProcessGroupNCCL.*(?:terminated with exception|[Tt]imed? ?out)|NCCL communicator was aborted")),
+    ("signal", _re.compile(r"Segmentation fault|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL)\b|Aborted \(core dumped\)|\(core dumped\)|^Killed\s*$|"
+                           r"^Bus error|received signal (?:\d+|SIG\w+)|Signal \d+ \(SIG\w+\) received")),
+    ("sglang", _re.compile(r"Piecewise CUDA Graph (?:failed|is enabled by default as an experimental)|Capture (?:piecewise )?cuda graph failed|"
+                           r"(?:TokenizerManager|DetokenizerManager|DataParallelController) hit an exception|Exception in run_tp_server|"
+                           r"scheduler is dead|Child process unexpectedly failed", _re.I)),
+    ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed")),
+    ("bind", _re.compile(r"[Aa]ddress already in use|EADDRINUSE|error while attempting to bind")),
+    ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
+    ("hub", _re.compile(r"Cannot access gated repo|is restricted\. You must (?:have access|be authenticated)|"
+                        r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
+    # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig"
+    ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+")),
+    ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
+                         r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
+                         r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
+                         r"died with (?:exit code|signal)", _re.I)),
+]
+_CONSEQUENCE = ("exit",)
+_GAP = 25          # lines between pieces of evidence that belong to one failure
+_MAX_DETAILS = 40
+_MAX_FINDINGS = 60
 
 
-def _frame(m, lines, i):
-    code = ""
-    if i + 1 < len(lines) and lines[i + 1].startswith("    ") and not _FRAME.match(lines[i + 1]):
-        code = lines[i + 1].strip()
-    return {"path": m.group("path"), "line": int(m.group("line")), "func": m.group("func"), "code": code}
+# Every error class needs one of these words: a cheap test before the regexes.
+_ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "misaligned", "launch failure", "Watchdog",
+                "NCCL", "nccl", "Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Piecewise",
+                "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
+                "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
+                "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
+                "validation error", "gated repo", "restricted", "Client Error", "Repository Not Found",
+                "couldn't connect")
+_EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
-def extract_tracebacks(text):
-    """Every traceback in a log: frames, exception type and message, and dynamo's user-code frames."""
-    lines = text.splitlines()
-    out = []
-    i = 0
-    while i < len(lines):
-        if not _TB_START.search(lines[i]):
-            i += 1
-            continue
-        tb = {"start_line": i + 1, "frames": [], "user_frames": [], "exc_type": None, "message": "",
-              "details": [], "skipped_call": None}
-        prefix = lines[i][:_TB_START.search(lines[i]).start()].strip()
-        tb["context"] = prefix
-        i += 1
-        while i < len(lines):
-            m = _FRAME.match(lines[i])
+def classify(text):
+    """The error class of a line ("cuda", "nccl", ...), or None."""
+    if not any(w in text for w in _ERROR_WORDS):
+        return None
+    for name, rx in _ERROR_CLASSES:
+        if rx.search(text):
+            return name
+    return None
+
+
+def _indent(text):
+    return len(text) - len(text.lstrip())
+
+
+def _looks_exception(text):
+    """`Type: message` (or a bare `Type`) where Type is a dotted, capitalised exception name."""
+    m = _EXC_LINE.match(text.strip())
+    if not m:
+        return None
+    last = m.group("type").rsplit(".", 1)[-1]
+    if not last[:1].isupper() or last in ("Traceback", "Thread", "File", "Process", "Current"):
+        return None
+    return m
+
+
+def _frame(m):
+    return {"path": m.group("path"), "line": int(m.group("line")), "func": (m.group("func") or "?").strip(), "code": ""}
+
+
+class _Stream(object):
+    """Evidence in one stream's lines, read front to back."""
+
+    def __init__(self, lines):
+        self.lines = lines
+        self.n = len(lines)
+        self.items = []
+
+    def text(self, i):
+        return self.lines[i].text
+
+    # -- Python tracebacks -------------------------------------------------------------
+    def frames(self, i, user=False):
+        """Frames from line i on (with their source lines); returns (frames, next i)."""
+        frames = []
+        while i < self.n:
+            t = self.text(i)
+            m = _FRAME.match(t)
             if m:
-                tb["frames"].append(_frame(m, lines, i))
-                i += 1
+                fr = _frame(m)
+                j = i + 1
+                if j < self.n:
+                    nt = self.text(j)
+                    if (nt.strip() and not _FRAME.match(nt) and not _CARETS.match(nt) and not _TB_START.search(nt)
+                            and _CAUSE not in nt and _CONTEXT not in nt
+                            and (_indent(nt) > _indent(t) or not _looks_exception(nt) or self._frame_at(j + 1))):
+                        fr["code"] = nt.strip()
+                        j += 1
+                while j < self.n and _CARETS.match(self.text(j)):
+                    j += 1
+                frames.append(fr)
+                i = j
                 continue
-            if lines[i].startswith((" ", "\t")) or not lines[i].strip():
-                i += 1
-                continue
+            if not t.strip():
+                # faulthandler and some pastes put blank lines between frames
+                k = i + 1
+                while k < self.n and not self.text(k).strip():
+                    k += 1
+                if frames and k < self.n and _FRAME.match(self.text(k)):
+                    i = k
+                    continue
             break
-        if i < len(lines):
-            m = _EXC.match(lines[i].strip())
-            if m:
-                tb["exc_type"] = m.group("type")
-                tb["message"] = (m.group("msg") or "").strip()
-                i += 1
-        # The message's continuation, dynamo's explanation and "from user code:" frames.
-        in_user = False
-        while i < len(lines) and not _TB_START.search(lines[i]):
-            line = lines[i]
-            if _USER_CODE.match(line.strip()):
-                in_user = True
-            elif in_user and _FRAME.match(line):
-                tb["user_frames"].append(_frame(_FRAME.match(line), lines, i))
-            elif line.strip() and not line.startswith((" ", "\t")) and in_user:
-                break
-            elif line.strip() and not in_user:
-                if _re.match(r"^\[\d{4}-\d\d-\d\d", line) and tb["details"]:
-                    break
-                tb["details"].append(line.strip())
-                ctx = _DEBUG_CTX.search(line)
-                if ctx:
-                    tb["skipped_call"] = ctx.group("module") + "." + ctx.group("qualname")
+        return frames, i
+
+    def _frame_at(self, j):
+        while j < self.n and _CARETS.match(self.text(j)):
+            j += 1
+        return j < self.n and bool(_FRAME.match(self.text(j)))
+
+    def exception(self, i, start, context="", header=True):
+        """A traceback from its header (or its first orphan frame) at line `start`."""
+        exc = {"type": None, "message": "", "details": [], "frames": [], "user_frames": [], "skipped_call": None,
+               "context": context.strip(), "has_traceback": header, "line": self.lines[start].no,
+               "rank": self.lines[start].rank, "last": self.lines[start].no}
+        exc["frames"], i = self.frames(i)
+        if i > start:
+            exc["last"] = self.lines[i - 1].no
+        while i < self.n and not self.text(i).strip() and not exc["frames"]:
             i += 1
-            if len(tb["details"]) > 40:
+        if i < self.n:
+            t = self.text(i)
+            m = _EXC_LINE.match(t.strip()) if not _FRAME.match(t) and not _TB_START.search(t) else None
+            if m and (_looks_exception(t) or (exc["frames"] and _indent(t) <= 2)):
+                exc["type"] = m.group("type")
+                exc["message"] = (m.group("msg") or "").strip()
+                exc["line"] = exc["last"] = self.lines[i].no
+                i += 1
+        return exc, self.details(i, exc)
+
+    def details(self, i, exc):
+        """The message's continuation, dynamo's explanation and its "from user code:" frames."""
+        level = self.lines[i - 1].level if i else None
+        header = self.lines[i - 1].new_record if i else None
+        while i < self.n and len(exc["details"]) < _MAX_DETAILS:
+            ln = self.lines[i]
+            t = ln.text
+            s = t.strip()
+            if (_TB_START.search(t) or _CAUSE in s or _CONTEXT in s or _FRAME.match(t) or _PROCESS_HEADER.match(t) or _TERMINATE.search(t)
+                    or _FATAL.search(t) or _RAISED_FROM.search(t) or _CXX_FRAME.match(t)
+                    or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
-        out.append(tb)
+            if _USER_CODE.match(t):
+                frames, i = self.frames(i + 1, user=True)
+                exc["user_frames"].extend(frames)
+                continue
+            if not s:
+                k = i + 1
+                while k < self.n and not self.text(k).strip():
+                    k += 1
+                if k < self.n and (_indent(self.text(k)) > 0 or _USER_CODE.match(self.text(k))) \
+                        and not _FRAME.match(self.text(k)) and self.lines[k].new_record in (None, header):
+                    i = k
+                    continue
+                break
+            if _indent(t) == 0 and _EXC_EMBEDDED.match(t) and exc["type"]:
+                break  # another exception
+            exc["details"].append(s)
+            ctx = _DEBUG_CTX.search(t)
+            if ctx:
+                exc["skipped_call"] = ctx.group("module") + "." + ctx.group("qualname")
+            exc["last"] = ln.no
+            i += 1
+        return i
+
+    # -- C++ ---------------------------------------------------------------------------
+    def cxx_trace(self, i, item):
+        """`Exception raised from F at FILE:LINE` and the `frame #N:` lines after it."""
+        m = _RAISED_FROM.search(self.text(i)) if i < self.n else None
+        if m:
+            item["raised_from"] = "%s at %s" % (m.group("fn"), m.group("where"))
+            item["last"] = self.lines[i].no
+            i += 1
+        while i < self.n:
+            fm = _CXX_FRAME.match(self.text(i))
+            if not fm:
+                break
+            item["cxx_frames"].append(fm.group("sym").strip())
+            item["last"] = self.lines[i].no
+            i += 1
+        return i
+
+    def abort(self, i):
+        ln = self.lines[i]
+        m = _TERMINATE.search(ln.text)
+        item = {"kind": "abort", "type": m.group("type") or m.group(0), "what": "", "raised_from": None,
+                "cxx_frames": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
+        i += 1
+        what = []
+        if i < self.n and _WHAT.match(self.text(i)):
+            what.append(_WHAT.match(self.text(i)).group("msg").strip())
+            item["last"] = self.lines[i].no
+            i += 1
+            while i < self.n and self.text(i).strip() and not _RAISED_FROM.search(self.text(i)) \
+                    and not _CXX_FRAME.match(self.text(i)) and not _TERMINATE.search(self.text(i)) and len(what) < 10:
+                what.append(self.text(i).strip())
+                item["last"] = self.lines[i].no
+                i += 1
+        item["what"] = "\n".join(what)
+        return item, self.cxx_trace(i, item)
+
+    # -- faulthandler --------------------------------------------------------------------
+    def fatal(self, i):
+        ln = self.lines[i]
+        item = {"kind": "fatal", "message": _FATAL.search(ln.text).group("msg").strip(), "threads": [],
+                "line": ln.no, "last": ln.no, "rank": ln.rank}
+        i += 1
+        while i < self.n:
+            t = self.text(i)
+            if not t.strip():
+                i += 1
+                continue
+            m = _THREAD.match(t)
+            if not m:
+                break
+            i += 1
+            while i < self.n and not self.text(i).strip():
+                i += 1
+            frames, i = self.frames(i)
+            frames.reverse()  # faulthandler prints the most recent call first
+            item["threads"].append({"current": m.group("current") == "Current thread", "frames": frames})
+            if frames:
+                item["last"] = self.lines[i - 1].no
+        return item, i
+
+    def _previous_text(self, i):
+        k = i - 1
+        while k >= 0 and not self.text(k).strip():
+            k -= 1
+        return self.text(k) if k >= 0 else ""
+
+    # -- the whole stream ----------------------------------------------------------------
+    def scan(self):
+        i = 0
+        while i < self.n:
+            ln = self.lines[i]
+            t = ln.text
+            tb = _TB_START.search(t) if "Traceback" in t else None
+            if tb:
+                exc, i = self.exception(i + 1, i, context=t[:tb.start()])
+                # a traceback logged as a warning or info (a retried import, a fallback) is no failure
+                if ln.level not in _QUIET_LEVELS:
+                    self.items.append(("exc", exc))
+                continue
+            s = t.strip()
+            if _CAUSE in s or _CONTEXT in s:
+                self.items.append(("sep", {"line": ln.no, "cause": _CAUSE in s}))
+                i += 1
+                continue
+            if "terminate called" in t and _TERMINATE.search(t):
+                item, i = self.abort(i)
+                self.items.append(("abort", item))
+                continue
+            if "Fatal Python error" in t:
+                item, i = self.fatal(i)
+                self.items.append(("fatal", item))
+                continue
+            if ("Exception raised from" in t and _RAISED_FROM.search(t)) or ("frame #" in t and _CXX_FRAME.match(t)):
+                item = {"kind": "cxx", "raised_from": None, "cxx_frames": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
+                i = self.cxx_trace(i, item)
+                self.items.append(("cxx", item))
+                continue
+            if 'File "' in t and _FRAME.match(t):
+                # frames without their header: an excerpt, or dynamo's "from user code:" section
+                before = self._previous_text(i)
+                user = bool(_USER_CODE.match(before))
+                exc, i = self.exception(i, i, header=False)
+                if user:
+                    exc["user_frames"], exc["frames"] = exc["frames"], []
+                # a warning's "This call originates from:" stack is not a failure
+                if exc["type"] or not _WARNING_STACK.search(before):
+                    self.items.append(("exc", exc))
+                continue
+            quiet = ln.level in _QUIET_LEVELS
+            m = _EXC_EMBEDDED.search(t) if not quiet and ": " in t and any(w in t for w in _EXC_WORDS) else None
+            if m and not _EXC_EMBEDDED.search(t[:m.start()] or "-"):
+                exc = {"type": m.group("type"), "message": m.group("msg").strip(), "details": [], "frames": [],
+                       "user_frames": [], "skipped_call": None, "context": t[:m.start()].strip(), "has_traceback": False,
+                       "line": ln.no, "rank": ln.rank, "last": ln.no}
+                i = self.details(i + 1, exc)
+                self.items.append(("exc", exc))
+                continue
+            cls = classify(t) if s and not quiet else None
+            if cls:
+                item = {"kind": "line", "class": cls, "text": s, "line": ln.no, "last": ln.no, "rank": ln.rank}
+                i += 1
+                # a C++ message's own trace follows it
+                while i < self.n and self.text(i).strip() and not _RAISED_FROM.search(self.text(i)) and i < self.n \
+                        and not _FRAME.match(self.text(i)) and not _TB_START.search(self.text(i)) and not classify(self.text(i)) \
+                        and _indent(self.text(i)) == 0 and self.lines[i].new_record in (None, ln.new_record) \
+                        and self.lines[i].no - item["last"] <= 3 \
+                        and not _EXC_EMBEDDED.search(self.text(i)) and not _TERMINATE.search(self.text(i)) \
+                        and not _FATAL.search(self.text(i)):
+                    i += 1
+                while i < self.n and not self.text(i).strip() and i + 1 < self.n and _RAISED_FROM.search(self.text(i + 1)):
+                    i += 1
+                if i < self.n and _RAISED_FROM.search(self.text(i)):
+                    item["cxx_frames"] = []
+                    i = self.cxx_trace(i, item)
+                self.items.append(("line", item))
+                continue
+            i += 1
+        return self.items
+
+
+def _chains(items):
+    """Python exceptions joined by "The above exception was the direct cause..." into chains."""
+    out = []
+    prev_exc = None
+    pending = None
+    for kind, item in items:
+        if kind == "sep":
+            pending = item
+            continue
+        if kind == "exc":
+            if pending is not None and prev_exc is not None and pending["line"] - prev_exc["last"] <= 60:
+                prev_chain = out[-1]
+                prev_chain["chain"].append(item)
+                prev_chain["links"].append("cause" if pending["cause"] else "context")
+                prev_chain["last"] = max(prev_chain["last"], item["last"])
+            else:
+                out.append({"kind": "python", "chain": [item], "links": [], "line": item["line"], "last": item["last"],
+                            "rank": item["rank"], "cut_above": pending is not None})
+            prev_exc = item
+            pending = None
+            continue
+        out.append(dict(item, chain=[]))
+        pending = None
+        prev_exc = None
     return out
+
+
+def _attach(pieces):
+    """Failures from the evidence of one stream: nearby pieces belong together."""
+    failures = []
+    for p in pieces:
+        if failures and p["line"] - failures[-1]["last"] <= _GAP and _joinable(failures[-1], p):
+            _merge(failures[-1], p)
+        else:
+            failures.append(_new_failure(p))
+    return failures
+
+
+def _joinable(f, p):
+    if p["kind"] == "python":
+        # a second Python chain is its own failure unless what came before was only lines
+        return not f["chain"] and f["kind"] in ("errors", "cxx")
+    return True
+
+
+def _new_failure(p):
+    f = {"kind": {"python": "python", "abort": "abort", "fatal": "fatal"}.get(p["kind"], "errors"),
+         "chain": [], "links": [], "abort": None, "fatal": None, "errors": [], "cxx": None,
+         "line": p["line"], "last": p["last"], "rank": p["rank"], "cut_above": False}
+    _merge(f, p)
+    return f
+
+
+def _merge(f, p):
+    k = p["kind"]
+    if k == "python":
+        f["chain"], f["links"], f["cut_above"] = p["chain"], p["links"], p["cut_above"]
+        if f["kind"] in ("errors", "cxx"):
+            f["kind"] = "python"
+    elif k == "abort":
+        f["abort"] = p
+        if f["kind"] == "errors":
+            f["kind"] = "abort"
+    elif k == "fatal":
+        f["fatal"] = p
+        if f["kind"] in ("errors", "abort"):
+            f["kind"] = "fatal"
+    elif k == "cxx":
+        if f["abort"] is not None and not f["abort"]["cxx_frames"]:
+            f["abort"]["cxx_frames"] = p["cxx_frames"]
+            f["abort"]["raised_from"] = f["abort"]["raised_from"] or p["raised_from"]
+        elif f["cxx"] is None:
+            f["cxx"] = p
+    else:
+        f["errors"].append({"class": p["class"], "text": p["text"], "line": p["line"]})
+        if p.get("cxx_frames"):
+            f["cxx"] = f["cxx"] or {"raised_from": p.get("raised_from"), "cxx_frames": p["cxx_frames"]}
+    f["line"] = min(f["line"], p["line"])
+    f["last"] = max(f["last"], p["last"])
+
+
+def _mask(text):
+    text = _re.sub(r"0x[0-9a-fA-F]+", "H", text or "")
+    return _re.sub(r"\d+(?:\.\d+)?", "N", text)[:160]
+
+
+def signature(f):
+    """What makes two failures the same failure (on another rank, or again)."""
+    parts = [f["kind"]]
+    for exc in f["chain"]:
+        parts.append("%s:%s" % (exc["type"], _mask(exc["message"] or exc["context"])))
+        if not exc["type"]:
+            tail = (exc["frames"] or exc["user_frames"])[-1:]
+            parts.extend("%s:%s" % (fr["path"], fr["func"]) for fr in tail)
+    if f["abort"]:
+        parts.append("%s:%s" % (f["abort"]["type"], _mask(f["abort"]["what"].split("\n")[0])))
+    if f["fatal"]:
+        parts.append(_mask(f["fatal"]["message"]))
+    if not f["chain"] and not f["abort"] and not f["fatal"]:
+        parts.extend(_mask(e["text"]) for e in f["errors"][:1])
+    return "|".join(parts)
+
+
+NO_EXCEPTION_LINE = "(exception line not in the log)"
+
+
+def describe(exc):
+    """`Type: message` of one exception of a chain."""
+    if not exc:
+        return ""
+    if exc.get("type"):
+        return exc["type"] + (": " + exc["message"] if exc.get("message") else "")
+    return NO_EXCEPTION_LINE
+
+
+def summarise(f):
+    """Root and final exception of a failure, as the user reads them."""
+    causes = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE]
+    if f["chain"]:
+        typed = [e for e in f["chain"] if e.get("type")]
+        if typed:
+            root, final = describe(typed[0]), describe(f["chain"][-1])
+            # an error printed above the traceback (a kernel's CUDA error) is the earlier cause
+            if causes and causes[0]["line"] < f["chain"][0]["line"]:
+                root = causes[0]["text"]
+        else:
+            final = NO_EXCEPTION_LINE
+            context = next((e["context"] for e in f["chain"] if e.get("context")), "")
+            root = causes[0]["text"] if causes else (context or final)
+    elif f["abort"]:
+        root = final = "%s: %s" % (f["abort"]["type"], f["abort"]["what"].split("\n")[0])
+    elif f["fatal"]:
+        root = final = "Fatal Python error: " + f["fatal"]["message"]
+    else:
+        causes = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE] or f["errors"]
+        root, final = causes[0]["text"], f["errors"][-1]["text"]
+    return root, final
+
+
+def all_frames(f):
+    """Python frames of a failure: the chain's, dynamo's user-code frames, a fatal's current thread."""
+    frames = []
+    for exc in f["chain"]:
+        frames.extend(exc["frames"])
+        frames.extend(exc["user_frames"])
+    if f["fatal"]:
+        threads = f["fatal"]["threads"]
+        cur = [t for t in threads if t["current"]] or threads
+        for t in cur:
+            frames.extend(t["frames"])
+    return frames
+
+
+def scan(text):
+    """Every failure in a log, the same failure on several ranks grouped into one finding."""
+    lines = normalise(text)
+    failures = []
+    for _name, stream_lines in streams(lines):
+        pieces = _chains(_Stream(stream_lines).scan())
+        failures.extend(_attach(pieces))
+    failures.sort(key=lambda f: f["line"])
+    # Unprefixed lines next to a failure of a rank (a CUDA error a kernel printed to stderr,
+    # just above the rank's traceback) and consequence-only failures join that failure.
+    last_real = None
+    for k, f in enumerate(failures):
+        only_lines = f["kind"] == "errors" and not f["cxx"]
+        near = None
+        if only_lines and f["rank"] == "":
+            for g in failures[max(0, k - 4):k] + failures[k + 1:k + 5]:
+                if g["kind"] != "errors" and (abs(g["line"] - f["last"]) <= 3 or abs(f["line"] - g["last"]) <= 3):
+                    near = g
+                    break
+        if near is not None:
+            near["errors"] = sorted(near["errors"] + f["errors"], key=lambda e: e["line"])
+            near["line"], near["last"] = min(near["line"], f["line"]), max(near["last"], f["last"])
+            f["absorbed"] = True
+        elif only_lines and all(e["class"] in _CONSEQUENCE for e in f["errors"]):
+            if last_real is not None:
+                last_real["errors"].extend(f["errors"])
+                f["absorbed"] = True
+        else:
+            last_real = f
+    kept = [f for f in failures if not f.get("absorbed")]
+    findings = []
+    by_sig = {}
+    for f in kept:
+        sig = signature(f)
+        rank = f["rank"] or "main"
+        if sig in by_sig:
+            g = by_sig[sig]
+            g["occurrences"] += 1
+            if rank not in g["ranks"]:
+                g["ranks"].append(rank)
+            continue
+        f["ranks"] = [rank]
+        f["occurrences"] = 1
+        f["root_exception"], f["final_exception"] = summarise(f)
+        by_sig[sig] = f
+        findings.append(f)
+    return {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines)}

@@ -1,0 +1,279 @@
+"""Launch preflight: the rendered launch, checked against the host's OWN sglang, before anything stops.
+
+One SSH round trip (servops/remote/launch_check.py, with sglang_args.py): the host reports its
+installed sglang version and parses the argv of every `when:` branch of the variant with sglang's
+real parser (`ServerArgs.add_cli_args` on an argparse.ArgumentParser, as `sglang.launch_server`
+builds it; never ServerArgs resolution, model config or GPUs) or, where sglang does not import,
+with the same parser rebuilt from its source (a static check). The controller keeps the branch
+that the host's version selects. Besides the flags: the model path exists, the port is free or
+servops' own server holds it, and nvidia-smi (when present) shows at least the GPUs the launch
+needs.
+
+Refusals are one line per problem, naming the flag, the host's sglang version and, for a flag
+sglang does not know, the closest flags it does know:
+    --cuda-graph-max-bz: unrecognized on sglang 0.5.23; did you mean --cuda-graph-max-bs-decode, ...?
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .errors import ServopsError
+from .playbooks import apply_rules, matching_rules, when_branches
+from .remote_exec import run_program
+from .render import render_launch
+from .transport import HostSession
+
+# Server modules that stand in for sglang (the lab's test double): they load no weights.
+DOUBLE_MODULES = {"sglang_double"}
+REAL_MODULE_PREFIX = "sglang."
+
+
+class LaunchRefused(ServopsError):
+    """The launch would fail on this host: refused before the lock is taken or anything stops."""
+
+
+@dataclass
+class LaunchCheck:
+    host: str
+    variant_name: str
+    sglang_version: str | None          # the host's installed sglang (None: not installed)
+    static: bool                        # True: checked by reading sglang's source, not by importing it
+    parser: str | None                  # "real", "static", or None (nothing to check against)
+    rules: list[str]                    # the `when:` rules that applied, described
+    variant: dict                       # the variant resolved for this host's sglang
+    argv: list[str]                     # the launch argv that was checked
+    ok: bool
+    problems: list[str]                 # one line each; empty when ok
+    warnings: list[str] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)   # model, port, gpus, gpus_needed, python
+    elapsed_s: float = 0.0              # the round trip, as the controller measured it
+    note: str | None = None             # why the check was static / why nothing was checked
+    host_timings: dict = field(default_factory=dict)
+    branches: int = 1                   # argvs the host parsed in this round trip
+    server_module: str = "sglang.launch_server"
+
+    @property
+    def checked(self) -> bool:
+        return self.parser is not None
+
+    def summary(self) -> str:
+        """One line for the recap."""
+        where = f"sglang {self.sglang_version}" if self.sglang_version else "no sglang on the host"
+        how = {"real": "sglang's parser", "static": "static check of sglang's source", None: "not checked"}[self.parser]
+        rules = f", {len(self.rules)} rule(s)" if self.rules else ""
+        if not self.ok:
+            more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            return f"refused on {where} ({how}): {self.problems[0]}{more}"
+        return f"launch ok on {where} ({how}{rules}) in {self.elapsed_s:.2f}s"
+
+
+def _server_module(hs: HostSession) -> str:
+    return str(hs.host.get("server_module") or "sglang.launch_server")
+
+
+def _branch_inputs(hs: HostSession, variant: dict) -> tuple[list[dict], dict, list]:
+    """(program branches, key -> branch id, [(key, example version, id or RenderError)])."""
+    branches: list[dict] = []
+    by_launch: dict[tuple, str] = {}
+    table = []
+    for key, example in when_branches(variant):
+        resolved, _applied = apply_rules(variant, list(key))
+        try:
+            launch = render_launch(hs.host, resolved)
+        except ServopsError as exc:  # only an error if this branch is the host's
+            table.append((key, example, exc))
+            continue
+        env = dict(launch.env, **launch.secret_env)
+        ident = (tuple(launch.argv), tuple(sorted(env.items())))
+        if ident not in by_launch:
+            by_launch[ident] = f"b{len(branches)}"
+            branches.append({"id": by_launch[ident], "argv": launch.argv, "env": env})
+        table.append((key, example, by_launch[ident]))
+    return branches, {k: v for k, _e, v in table}, table
+
+
+def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict) -> tuple[dict, float]:
+    port = hs.host.get("server_port")
+    args = {"branches": branches, "deploy_root": deploy_root, "port": int(port) if port else None}
+    started = time.monotonic()
+    res = run_program(hs, "launch_check", args, env=env or None)
+    return res, time.monotonic() - started
+
+
+def _problem_lines(result: dict, version: str | None, static: bool) -> list[str]:
+    on = f"on sglang {version}" + (" (static check)" if static else "")
+    lines = []
+    for p in result.get("problems") or []:
+        flag, kind, msg, sugg = p.get("flag") or "", p.get("kind"), p.get("message") or "", p.get("suggestions") or []
+        if kind == "unrecognized" and msg == "unrecognized":
+            text = f"{flag}: unrecognized {on}" + (f"; did you mean {', '.join(sugg)}?" if sugg else "")
+        elif kind == "unrecognized":
+            text = f"{flag}: {msg} {on}"
+        elif kind == "ambiguous":
+            text = f"{flag}: ambiguous {on}; it could be {', '.join(sugg)}: spell the one you mean"
+        elif kind == "required":
+            text = f"{flag}: required {on}"
+        elif kind == "value":
+            text = f"{flag}: {msg} ({on[3:]})"
+        else:
+            text = f"{msg} ({on[3:]})" if not flag else f"{flag}: {msg} ({on[3:]})"
+        lines.append(text)
+    return lines
+
+
+def _fact_problems(check: LaunchCheck, result: dict, res: dict) -> list[str]:
+    problems = []
+    double = check.server_module in DOUBLE_MODULES
+    facts = result.get("facts") or {}
+    model = facts.get("model")
+    if model and model.get("state") == "missing" and not double:
+        problems.append(f"model path {model['path']} does not exist on the host")
+    port = res.get("port")
+    if port and port.get("state") == "busy":
+        problems.append(f"port {port['port']} is already in use by a process servops did not start; "
+                        f"free it or change server_port")
+    gpus, needed = res.get("gpus"), facts.get("gpus_needed")
+    if gpus and gpus.get("count") is not None and needed and not double:
+        visible = _visible_gpus(gpus["count"], check.facts.get("cuda_visible_devices"))
+        if needed > visible:
+            problems.append(f"needs {needed} GPUs (tp x pp per node), nvidia-smi shows {visible}"
+                            + (" visible (CUDA_VISIBLE_DEVICES)" if visible != gpus["count"] else ""))
+    return problems
+
+
+def _visible_gpus(count: int, cvd: str | None) -> int:
+    if cvd is None:
+        return count
+    listed = [d for d in str(cvd).split(",") if d.strip()]
+    return min(count, len(listed))
+
+
+def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> LaunchCheck:
+    """Validate the variant's launch on this host in one SSH round trip (see the module doc)."""
+    branches, ids, table = _branch_inputs(hs, variant)
+    base = next((b for b in branches if b["id"] == ids.get(())), branches[0] if branches else None)
+    res, elapsed = _run(hs, branches, deploy_root, (base or {}).get("env") or {})
+    info = res.get("sglang") or {}
+    version = info.get("version")
+    key = tuple(matching_rules(variant, version))
+    chosen = ids.get(key)
+    if chosen is None:  # a version none of the probe versions stood for: check its own branch
+        resolved, _ = apply_rules(variant, list(key))
+        launch = render_launch(hs.host, resolved)  # raises the branch's own render error
+        extra = {"id": "exact", "argv": launch.argv, "env": dict(launch.env, **launch.secret_env)}
+        res2, more = _run(hs, [extra], deploy_root, extra["env"])
+        res["branches"] = dict(res.get("branches") or {}, exact=res2["branches"]["exact"])
+        branches.append(extra)
+        chosen, elapsed = "exact", elapsed + more
+    if isinstance(chosen, ServopsError):
+        raise chosen
+    resolved, applied = apply_rules(variant, list(key))
+    branch = next(b for b in branches if b["id"] == chosen)
+    result = (res.get("branches") or {}).get(chosen) or {}
+    parser = info.get("parser")
+    static = parser == "static"
+    module = _server_module(hs)
+    check = LaunchCheck(
+        host=hs.host.name, variant_name=str(variant.get("name", "?")), sglang_version=version, static=static,
+        parser=parser, rules=applied, variant=resolved, argv=list(branch["argv"]), ok=True, problems=[],
+        elapsed_s=round(elapsed, 3), note=info.get("note"), host_timings=res.get("timings") or {},
+        branches=len(branches), server_module=module)
+    facts = result.get("facts") or {}
+    check.facts = {"python": res.get("python"), "python_version": res.get("python_version"),
+                   "model": facts.get("model"), "port": res.get("port"), "gpus": res.get("gpus"),
+                   "gpus_needed": facts.get("gpus_needed"),
+                   "cuda_visible_devices": (branch.get("env") or {}).get("CUDA_VISIBLE_DEVICES"),
+                   "values": result.get("values") or {}, "parser_actions": info.get("actions"),
+                   "prog": info.get("prog")}
+    problems: list[str] = []
+    warnings: list[str] = []
+    if version is None:
+        if module.startswith(REAL_MODULE_PREFIX):
+            problems.append(f"sglang is not installed for {res.get('python')} (server_module {module})")
+        else:
+            check.note = f"no sglang installed for {res.get('python')}: nothing to check against; {module} parses its own flags"
+    elif parser is None:
+        warnings.append(f"sglang {version}'s flags were not checked: {info.get('note') or 'no parser'}")
+    else:
+        problems.extend(_problem_lines(result, version, static))
+        used = {a.split("=", 1)[0] for a in check.argv if a.startswith("--")}
+        for w in result.get("warnings") or []:
+            warnings.append(f"{w['flag']}: {w['message']} (sglang {version})")
+        unchecked = sorted(used & set(info.get("unchecked") or []))
+        if static and unchecked:
+            warnings.append(f"static check: values of {', '.join(unchecked)} were not checked (computed at run time)")
+    problems.extend(_fact_problems(check, result, res))
+    check.problems = [hs.redactor(p) for p in problems]
+    check.warnings = [hs.redactor(w) for w in warnings]
+    check.ok = not problems
+    return check
+
+
+def raise_if_refused(check: LaunchCheck, host_name: str) -> None:
+    """A refused check as ONE line: the host, the variant, the host's sglang, the first problem."""
+    if check.ok:
+        return
+    on = f"sglang {check.sglang_version}" if check.sglang_version else "a host without sglang"
+    how = " (static check)" if check.static else ""
+    more = (f" (+{len(check.problems) - 1} more: invoke check --variant {check.variant_name} -H {host_name})"
+            if len(check.problems) > 1 else "")
+    raise LaunchRefused(f"{host_name}: launch of {check.variant_name} refused on {on}{how}: "
+                        f"{check.problems[0]}{more}")
+
+
+def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
+    f = check.facts
+    rows = []
+    ver = check.sglang_version or "not installed"
+    how = {"real": f"real parser ({f.get('parser_actions')} flags, prog {f.get('prog')!r})",
+           "static": f"STATIC check of its source ({f.get('parser_actions')} flags)", None: "not checked"}[check.parser]
+    rows.append(("sglang", f"{ver}: {how}"))
+    rows.append(("python", f"{f.get('python')} ({f.get('python_version')})"))
+    model = f.get("model")
+    if model:
+        state = {"dir": "directory" + ("" if model.get("config") else " (no config.json)"), "file": "file",
+                 "missing": "MISSING", "hub-id": "not a local path (hub id)"}.get(model.get("state"), model.get("state"))
+        if model.get("state") == "missing" and check.server_module in DOUBLE_MODULES:
+            state += f" (not needed by {check.server_module})"
+        rows.append(("model path", f"{model['path']}: {state}"))
+    port = f.get("port")
+    if port:
+        rows.append(("port", f"{port['port']}: " + {"free": "free", "ours": f"servops' server (pid {port.get('pid')})",
+                                                      "busy": "IN USE by another process"}[port["state"]]))
+    gpus = f.get("gpus")
+    needed = f.get("gpus_needed")
+    if gpus is None:
+        rows.append(("GPUs", f"{needed or '?'} needed; no nvidia-smi on the host"))
+    elif gpus.get("count") is None:
+        rows.append(("GPUs", f"{needed or '?'} needed; {gpus.get('error')}"))
+    else:
+        rows.append(("GPUs", f"{needed or '?'} needed; nvidia-smi shows {gpus['count']}"))
+    timings = check.host_timings
+    detail = ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in timings.items() if isinstance(v, (int, float)))
+    rows.append(("round trip", f"{check.elapsed_s:.2f}s, 1 SSH command, {check.branches} argv(s) parsed"
+                 + (f" (host: {detail})" if detail else "")))
+    return rows
+
+
+def print_check(check: LaunchCheck) -> None:
+    """What `invoke check` shows for one host. User text is printed with markup off."""
+    from rich.text import Text
+
+    from .output import console, print_table, table
+
+    t = table(f"{check.host}: launch check of {check.variant_name}", ["check", "result"])
+    for name, value in _fact_rows(check):
+        t.add_row(name, value)
+    for rule in check.rules or ["none (the variant's own server_args)"]:
+        t.add_row("when rule", rule)
+    if check.note:
+        t.add_row("note", check.note)
+    t.add_row("argv", " ".join(check.argv))
+    for p in check.problems:
+        t.add_row(Text("PROBLEM", style="bold red"), Text(p))
+    for w in check.warnings:
+        t.add_row(Text("warning", style="yellow"), Text(w))
+    print_table(t)
+    console.file.flush()

@@ -1,0 +1,233 @@
+# Launch preflight: validate rendered launch argvs with the host's OWN sglang parser (sglang_args,
+# included before this file), plus the facts a launch needs: the model path, the port, the GPUs.
+#
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real"}
+# Reply: {"python", "sglang": {"version", "package", "parser", "note", "prog", "actions", "unchecked"},
+#         "branches": {id: validate() result + "facts"}, "port": {...}, "gpus": {...} | None,
+#         "timings": {...}}
+import json as _json
+import shutil
+import socket
+import subprocess
+import time
+
+_T0 = time.time()
+
+
+def _stdout_to_stderr():
+    """Whatever sglang prints while it is imported must not mix with the reply on stdout."""
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    return saved
+
+
+def _restore_stdout(saved):
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
+def _read_json(path):
+    try:
+        with open(path) as fh:
+            return _json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_starttime(pid):
+    try:
+        with open("/proc/%d/stat" % int(pid)) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _our_server(root):
+    """servops' server from <deploy_root>/server.pid, as deploy_ctl's server_proc reads it."""
+    info = _read_json(os.path.join(root, "server.pid"))
+    if not isinstance(info, dict) or "pid" not in info:
+        return None
+    if _proc_starttime(info["pid"]) != info.get("starttime"):
+        return None
+    try:
+        with open("/proc/%d/stat" % int(info["pid"])) as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+    except (OSError, ValueError):
+        return None
+    return info
+
+
+def _port_in_use(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("0.0.0.0", int(port)))
+    except OSError:
+        return True
+    finally:
+        s.close()
+    return False
+
+
+def port_fact(port, root):
+    if not port:
+        return None
+    ours = _our_server(root)
+    if not _port_in_use(port):
+        return {"port": int(port), "state": "free"}
+    if ours:
+        return {"port": int(port), "state": "ours", "pid": ours.get("pid")}
+    return {"port": int(port), "state": "busy"}
+
+
+def gpu_fact():
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"count": None, "error": "nvidia-smi: %s" % exc}
+    if out.returncode != 0:
+        return {"count": None, "error": "nvidia-smi -L exited %d: %s" % (out.returncode, (out.stderr or out.stdout).strip()[:200])}
+    names = [l.strip() for l in out.stdout.splitlines() if l.strip().startswith("GPU ")]
+    return {"count": len(names), "names": names[:16]}
+
+
+def model_fact(path):
+    if not path:
+        return None
+    expanded = os.path.expanduser(str(path))
+    local = os.path.isabs(expanded) or str(path).startswith((".", "~")) or os.path.exists(expanded)
+    if not local:
+        # org/name: sglang resolves it through the model hub (or its cache) at load time
+        return {"path": path, "state": "hub-id"}
+    if os.path.isdir(expanded):
+        return {"path": path, "state": "dir", "config": os.path.isfile(os.path.join(expanded, "config.json"))}
+    if os.path.isfile(expanded):
+        return {"path": path, "state": "file"}
+    return {"path": path, "state": "missing"}
+
+
+_KEEP = ("model_path", "port", "host", "tp_size", "pp_size", "dp_size", "nnodes", "node_rank",
+         "enable_dp_attention", "attn_dp_size", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
+         "cuda_graph_backend_prefill", "enable_piecewise_cuda_graph", "served_model_name")
+
+
+def gpus_needed(values):
+    tp = values.get("tp_size") or 1
+    pp = values.get("pp_size") or 1
+    dp = values.get("dp_size") or 1
+    nnodes = values.get("nnodes") or 1
+    try:
+        total = int(tp) * int(pp)
+        if int(dp) > 1 and not values.get("enable_dp_attention") and not values.get("attn_dp_size"):
+            total *= int(dp)
+        return -(-total // max(int(nnodes), 1))
+    except (TypeError, ValueError):
+        return None
+
+
+def main():
+    root = os.path.realpath(os.path.expanduser(ARGS.get("deploy_root") or "~/.servops/deploy"))
+    pkg = sglang_package()
+    version = sglang_version(pkg) if pkg else None
+    info = {"version": version, "package": pkg, "parser": None, "note": None, "prog": None, "actions": 0,
+            "unchecked": [], "skipped": []}
+    timings = {}
+    out = {"python": sys.executable, "python_version": "%d.%d.%d" % sys.version_info[:3], "sglang": info,
+           "branches": {}}
+    base_env = dict(os.environ)
+    parsers = {}
+    if pkg:
+        saved = _stdout_to_stderr()
+        try:
+            t = time.time()
+            how = None
+            if ARGS.get("allow_real", True):
+                try:
+                    parsers[None] = real_parser(pkg)
+                    how = "real"
+                except BaseException as exc:
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                    info["note"] = "importing sglang failed: %s" % _one_line(exc)
+            else:
+                info["note"] = "static check requested"
+            timings["import_s"] = round(time.time() - t, 3)
+            if how is None:
+                t = time.time()
+                try:
+                    parsers[None] = static_parser(pkg)
+                    how = "static"
+                except Exception as exc:
+                    info["note"] = (info["note"] + "; " if info["note"] else "") + \
+                        "reading its source failed too: %s" % _one_line(exc)
+                timings["static_s"] = round(time.time() - t, 3)
+        finally:
+            _restore_stdout(saved)
+        info["parser"] = how
+        if how:
+            p = parsers[None]
+            info["prog"] = p.prog
+            info["actions"] = len(p._actions)
+            info["unchecked"] = list(getattr(p, "servops_unchecked", []))
+            info["skipped"] = list(getattr(p, "servops_skipped", []))
+    t = time.time()
+    for branch in ARGS.get("branches") or []:
+        argv = [str(a) for a in branch.get("argv") or []]
+        env = dict((str(k), str(v)) for k, v in (branch.get("env") or {}).items())
+        result = {"ok": None, "problems": [], "warnings": [], "values": {}}
+        if info["parser"]:
+            parser = parsers[None]
+            changed = any(base_env.get(k) != v for k, v in env.items())
+            if changed and info["parser"] == "real":
+                # sglang reads some SGLANG_* variables while it builds the parser (choices)
+                os.environ.update(env)
+                saved = _stdout_to_stderr()
+                try:
+                    parser = real_parser(pkg)
+                except BaseException:
+                    parser = parsers[None]
+                finally:
+                    _restore_stdout(saved)
+                    os.environ.clear()
+                    os.environ.update(base_env)
+            saved = _stdout_to_stderr()
+            try:
+                result = validate(parser, argv, version, keep=_KEEP)
+            finally:
+                _restore_stdout(saved)
+        else:
+            result["values"] = _values_without_parser(argv)
+        values = result.get("values") or {}
+        result["facts"] = {"model": model_fact(values.get("model_path")), "gpus_needed": gpus_needed(values)}
+        out["branches"][branch.get("id", str(len(out["branches"])))] = result
+    timings["validate_s"] = round(time.time() - t, 3)
+    out["port"] = port_fact(ARGS.get("port"), root)
+    out["gpus"] = gpu_fact()
+    timings["host_s"] = round(time.time() - _T0, 3)
+    out["timings"] = timings
+    out["site"] = site_dirs()
+    reply(out)
+
+
+def _values_without_parser(argv):
+    """No parser on this host: the few values the facts need, read from the argv as written."""
+    spellings = {"--model-path": "model_path", "--model": "model_path", "--port": "port", "--tp": "tp_size",
+                 "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size", "--pp-size": "pp_size",
+                 "--pipeline-parallel-size": "pp_size", "--nnodes": "nnodes", "--dp-size": "dp_size"}
+    values = {}
+    for i, tok in enumerate(argv):
+        name, _sep, inline = tok.partition("=")
+        key = spellings.get(name)
+        if key:
+            raw = inline if _sep else (argv[i + 1] if i + 1 < len(argv) else None)
+            if raw is not None:
+                values[key] = int(raw) if key != "model_path" and raw.isdigit() else raw
+    return values
+
+
+main()

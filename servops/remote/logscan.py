@@ -1,0 +1,243 @@
+# Log normalisation for diagnose. Standard library only: it runs locally (`--offline`) and on the
+# host inside the diagnose program (shipped before tracebacks.py).
+#
+# Real server logs prefix every line, and differently per tool: SGLang's `[2025-.. TP3] `, vLLM's
+# `(Worker_TP2 pid=99) ERROR 06-26 23:10:17 [multiproc_executor.py:527] `, Ray's
+# `(SGLangEngine pid=952, ip=10.0.0.1) `, torchrun's `[rank0]:`, Kubernetes CRI
+# `2025-..+08:00 stdout F `, docker compose `sglang-1  | `, journald, CI timestamps, ANSI colours,
+# CR line ends. normalise() strips them, learns unknown leading tags from the lines that carry a
+# Traceback header or an error, and says which rank/process each line came from so multi-rank
+# logs can be read one stream at a time.
+import re as _re
+
+_ANSI = _re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
+# A colour code whose ESC was lost in a copy/paste shows up as `[36m`, `←[0m`, or `^[[0m`.
+_BARE_ANSI = _re.compile(r"(?:\^\[|←)?\[(?:\d{1,3}(?:;\d{1,3})*)?m")
+_RAY_REPEAT = _re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
+_LEVEL = r"(?:TRACE|DEBUG|INFO|NOTICE|WARN|WARNING|ERROR|CRITICAL|FATAL)"
+_RANK_TOKEN = _re.compile(r"(?:^|[_\s])((?:ATTN_)?(?:DP|TP|PP|EP|CP|MOE_DP)\d+)(?=$|[_\s])")
+
+# (name, regex, kind). kind "proc": a tag naming the process that wrote the line (every line of
+# it carries one); "record": the header of one log record naming its rank (continuation lines
+# carry none); "header": a record header that names no rank (level, time); "transport": a stamp
+# the log collector put on every line (CRI, docker -t, CI).
+_PREFIXES = [
+    ("cri", _re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d) (?:stdout|stderr) [FP] ?"), "transport"),
+    ("sglang", _re.compile(r"\[(?:\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)?(?P<ranks>(?: (?:ATTN_)?(?:DP|TP|PP|EP|CP|MOE_DP)\d+)+)?\] ?"), "record"),
+    ("sglang-gpu", _re.compile(r"\[gpu=(?P<gpu>\d+)\] ?"), "record"),
+    ("proc", _re.compile(r"\((?P<name>[^()\n]{1,80}?),? pid=(?P<pid>\d+)(?:, ip=[^)\n]*)?\) ?"), "proc"),
+    ("torchrun", _re.compile(r"\[(?:default)?rank(?P<rank>\d+)\]: ?"), "record"),
+    ("iso-t", _re.compile(r"\[?\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?: |$)"), "transport"),
+    ("iso", _re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: |$)"), "header"),
+    ("glog", _re.compile(r"\[[EWIFD](?:\d{3,4} \d\d:\d\d:\d\d\.\d+(?: \d+)?)? ?[\w.]+:\d+\] ?"), "header"),
+    ("glog2", _re.compile(r"[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\] ?"), "header"),
+    ("vllm", _re.compile(r"(?P<level>" + _LEVEL + r") (?:\d{4}-)?\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (?:\[[^\]\n]*\]|[\w.]+:\d+\]) ?"), "header"),
+    ("level-ts", _re.compile(r"(?:\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)? ?(?:(?P<level>" + _LEVEL + r")\b:? *)?"), "header"),
+    ("loguru", _re.compile(r"\| ?(?P<level>" + _LEVEL + r") *\| [^\s|]+ - "), "header"),
+    ("level", _re.compile(r"(?P<level>" + _LEVEL + r"):? +(?=\S)"), "header"),
+    ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
+    ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
+]
+# Which prefixes can start with a given character (most lines start with none of them: this keeps
+# a 16 MiB log to a few regex attempts per line).
+_BY_FIRST = {}
+for _name, _rx, _kind in _PREFIXES:
+    _first = {"cri": "0123456789", "iso-t": "[0123456789", "iso": "0123456789", "level-ts": "0123456789",
+              "sglang": "[", "sglang-gpu": "[", "torchrun": "[", "glog": "[", "proc": "(", "loguru": "|",
+              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF",
+              "journal": "JFMASOND"}.get(_name)
+    for _c in (_first or "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"):
+        _BY_FIRST.setdefault(_c, []).append((_name, _rx, _kind))
+# Headers that open a new log record: what follows them is not the continuation of a message.
+_NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
+_LEARN_ANCHOR = _re.compile(
+    r"Traceback \(most recent call last\)|terminate called|Fatal Python error|File \"[^\"]+\", line \d+|what\(\): |frame #\d+: |"
+    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*(?=[A-Z])\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
+_ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Exception", "Unsupported", "OutOfResources",
+                 "what():", "frame #")
+_UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
+
+
+class Line(object):
+    """One log line without its prefixes. `stream`: the rank/process it came from ("" = main);
+    `level`: the log level its header gave; `new_record`: the header that opened a new log record
+    on this line (None: the line continues a record)."""
+
+    __slots__ = ("no", "text", "stream", "rank", "level", "new_record")
+
+    def __init__(self, no, text, stream="", rank="", level=None, new_record=None):
+        self.no, self.text, self.stream, self.rank = no, text, stream, rank
+        self.level, self.new_record = level, new_record
+
+    def __repr__(self):
+        return "Line(%d, %r, stream=%r)" % (self.no, self.text, self.stream)
+
+
+def _clean(raw):
+    line = raw
+    if line.endswith("\r"):
+        line = line.rstrip("\r")
+    if line.endswith("^M"):
+        line = line[:-2]
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
+    if "[0m" in line or "\u2190[" in line or "^[[" in line:
+        line = _BARE_ANSI.sub("", line)
+    if "across cluster]" in line:
+        line = _RAY_REPEAT.sub("", line)
+    return line
+
+
+def _rank_of_proc(name, pid):
+    m = _re.search(r"\brank=(\d+)", name)
+    if m:
+        return "rank" + m.group(1)
+    tokens = _RANK_TOKEN.findall(name.replace(" ", "_"))
+    if tokens:
+        return " ".join(tokens)
+    return "%s pid=%s" % (name.strip(), pid)
+
+
+def strip_prefixes(line, learned=()):
+    """(text, tags): the line without its known prefixes; tags = [(name, kind, label, level, text)]."""
+    tags = []
+    text = line
+    for _ in range(12):
+        for rx in learned:
+            m = rx.match(text)
+            if m and m.end():
+                text = text[m.end():]
+                tags.append(("learned", "transport", None, None, m.group(0)))
+                break
+        else:
+            for name, rx, kind in _BY_FIRST.get(text[:1], ()):
+                m = rx.match(text)
+                if not m or not m.end():
+                    continue
+                groups = m.groupdict()
+                label = None
+                if name == "proc":
+                    label = _rank_of_proc(groups["name"], groups["pid"])
+                elif name == "sglang":
+                    label = (groups.get("ranks") or "").strip()
+                elif name == "sglang-gpu":
+                    label = "gpu" + groups["gpu"]
+                elif name == "torchrun":
+                    label = "rank" + groups["rank"]
+                elif name == "compose":
+                    label = groups["svc"]
+                elif name == "journal":
+                    label = groups["prog"] + ("[%s]" % groups["jpid"] if groups.get("jpid") else "")
+                tags.append((name, kind, label, groups.get("level"), m.group(0)))
+                text = text[m.end():]
+                break
+            else:
+                break
+    return text, tags
+
+
+def _generalise(tag):
+    """A regex for an unknown leading tag: digits and hex generalised, the rest literal."""
+    out = []
+    for part in _re.split(r"(\d+)", tag):
+        out.append(r"\d+" if part.isdigit() else _re.escape(part))
+    return "".join(out)
+
+
+# Text the runtime prints at the start of a line: what stands before it is a prefix.
+_LINE_START_ANCHOR = _re.compile(r'File "[^"]+", line \d+|terminate called |Fatal Python error: |frame #\d+: |'
+                                 r'Exception raised from |what\(\): ')
+
+
+def learn_prefixes(raw_lines, limit=2000):
+    """Prefixes no rule knows, learned from the lines that hold a frame, a Traceback header or an
+    error, as regexes (digits generalised).
+
+    A frame line shows its prefix exactly: whatever stands before `File "...", line N`
+    (`... MODEL_LOG -   File`, `| ERROR | stderr |   File`); so do `terminate called`,
+    `what():`, `frame #N:` and `Fatal Python error:`. Before a Traceback header or an exception
+    line there may be a message instead (`Scheduler hit an exception: Traceback`): that text is
+    a prefix only when the lines after it start with it too, or when it is a run of tags
+    followed by a known prefix (`[VLLM LOG] (Worker_TP3 pid=1) ERROR ...`)."""
+    learned = []
+    seen = set()
+    for k, raw in enumerate(raw_lines):
+        if len(learned) >= 6 or limit <= 0:
+            break
+        if not any(w in raw for w in _ANCHOR_WORDS):
+            continue
+        anchor = _LEARN_ANCHOR.search(raw)
+        if not anchor:
+            continue
+        limit -= 1
+        text, _ = strip_prefixes(_clean(raw), learned)
+        rx = None
+        start = _LINE_START_ANCHOR.search(text)
+        if start and start.start() > 0:
+            before = text[:start.start()].rstrip()
+            if before and '"' not in before and len(before) <= 160:
+                rx = _generalise(before) + r"\s?"
+        if rx is None:
+            m = _UNKNOWN_TAG.match(text)
+            if m:
+                after, tags = strip_prefixes(text[m.end():])
+                if tags or _LEARN_ANCHOR.match(after.lstrip()):
+                    rx = _generalise(m.group(0))
+        if rx is None:
+            a = _LEARN_ANCHOR.search(text)
+            before = text[:a.start()] if a else ""
+            if before.strip() and '"' not in before and len(before) <= 160:
+                cand = _re.compile(_generalise(before.rstrip()) + r"\s?")
+                following = [strip_prefixes(_clean(r), learned)[0] for r in raw_lines[k + 1:k + 9]]
+                if sum(1 for f in following if cand.match(f)) >= 3:
+                    rx = cand.pattern
+        if rx is not None and rx not in seen:
+            seen.add(rx)
+            learned.append(_re.compile(rx))
+    return learned
+
+
+def normalise(text):
+    """Every line without its prefixes, with the rank/process (stream) that wrote it."""
+    raw_lines = text.splitlines()
+    learned = learn_prefixes(raw_lines)
+    out = []
+    current = ""          # stream of the last record header: its continuation lines follow it
+    follows = False       # whether untagged lines continue that record
+    ranks = {"": ""}      # stream -> the rank its last record header named
+    for no, raw in enumerate(raw_lines, 1):
+        body, tags = strip_prefixes(_clean(raw), learned)
+        proc = [t[2] for t in tags if t[1] == "proc"]
+        record = [t[2] for t in tags if t[1] == "record"]
+        levels = [t[3] for t in tags if t[3]]
+        if proc:
+            # The innermost process tag names the writer; a rank in a record header refines it.
+            stream = proc[-1]
+            if record and record[-1]:
+                ranks[stream] = record[-1]
+            ranks.setdefault(stream, stream)
+            current, follows = stream, False
+        elif record:
+            stream = record[-1] or ""
+            ranks[stream] = stream
+            current, follows = stream, True
+        else:
+            # SGLang and torch's C++ log prefix only the first line of a record; after a
+            # process-tagged line an untagged one comes from the main process.
+            stream = current if follows else ""
+        headers = [t[4] for t in tags if t[0] in _NEW_RECORD]
+        out.append(Line(no, body, stream, ranks.get(stream, stream), levels[-1].upper() if levels else None,
+                        headers[-1] if headers else None))
+    return out
+
+
+def streams(lines):
+    """De-interleave: the lines of each stream, in order; streams in order of first appearance."""
+    order = []
+    by = {}
+    for ln in lines:
+        if ln.stream not in by:
+            by[ln.stream] = []
+            order.append(ln.stream)
+        by[ln.stream].append(ln)
+    return [(s, by[s]) for s in order]

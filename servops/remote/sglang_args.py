@@ -1,0 +1,870 @@
+# SGLang's own command-line parser, built on the host the way `sglang.launch_server` builds it,
+# and a launch argv validated with it. Standard library only (any python 3.8+), self-contained:
+# the launch_check program includes this file, and the SGLang test double imports it (it is
+# shipped beside the double as a server file).
+#
+# Two ways to get the parser:
+#   real    `from sglang.srt.server_args import ServerArgs`; `ServerArgs.add_cli_args(parser)` on
+#           an argparse.ArgumentParser with the prog `prepare_server_args` uses. Never
+#           ServerArgs(...) / __post_init__ / resolution: no model config, no GPU.
+#   static  when sglang cannot be imported (a missing dependency, a broken CUDA stack): the same
+#           parser rebuilt from sglang's source by reading it (AST): every `parser.add_argument`
+#           in `ServerArgs.add_cli_args`, and every `A[T, ...]` field that
+#           `add_cli_args_from_dataclass` turns into a flag (on ServerArgs itself, as in 0.5.15,
+#           or on the `_INPUT_NAMESPACES` classes, as in 0.5.23). Flag names, arity, bool flags,
+#           int/float types and choices that are literals or module constants are exact; a custom
+#           `type=` function is not run (its value is accepted), and choices computed at run time
+#           are not checked.
+import argparse
+import ast
+import difflib
+import importlib.util
+import logging
+import os
+import re
+import sys
+
+try:  # python 3.8+
+    import importlib.metadata as _metadata
+except ImportError:  # pragma: no cover
+    _metadata = None
+
+_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class ParseFailure(Exception):
+    """argparse called parser.error() (or exit()): the message it would print."""
+
+
+# ------------------------------------------------------------------------------------ where
+
+def sglang_package():
+    """Directory of the importable `sglang` package, found without importing it (or None)."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if locations:
+        return os.path.realpath(locations[0])
+    if spec.origin and spec.origin.endswith("__init__.py"):
+        return os.path.dirname(os.path.realpath(spec.origin))
+    return None
+
+
+def sglang_version(pkg_dir=None):
+    """The installed sglang's version: its distribution metadata, else its _version.py/version.py."""
+    if _metadata is not None:
+        try:
+            return _metadata.version("sglang")
+        except Exception:
+            pass
+    pkg_dir = pkg_dir or sglang_package()
+    if not pkg_dir:
+        return None
+    for name in ("_version.py", "version.py"):
+        try:
+            with open(os.path.join(pkg_dir, name), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str):
+                if any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in node.targets):
+                    return node.value.value
+    return None
+
+
+def _server_args_file(pkg_dir):
+    return os.path.join(pkg_dir, "srt", "server_args.py")
+
+
+def launcher_prog(pkg_dir):
+    """The prog `prepare_server_args` gives its ArgumentParser ("sglang serve" in newer releases);
+    argparse's default for `python -m sglang.launch_server` is the script's name."""
+    try:
+        tree = _Source(pkg_dir).tree("sglang.srt.server_args")
+    except Exception:
+        tree = None
+    for node in (tree.body if tree else []):
+        if isinstance(node, ast.FunctionDef) and node.name == "prepare_server_args":
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and _dotted(call.func).endswith("ArgumentParser"):
+                    for kw in call.keywords:
+                        if kw.arg == "prog" and isinstance(kw.value, ast.Constant):
+                            return kw.value.value
+                    return "launch_server.py"
+    return "launch_server.py"
+
+
+# ----------------------------------------------------------------------------- the parsers
+
+def real_parser(pkg_dir=None):
+    """sglang's parser exactly as `prepare_server_args` builds it. Raises whatever importing
+    sglang raises (ImportError, OSError from a CUDA library, ...)."""
+    from sglang.srt.server_args import ServerArgs  # noqa: the host's own sglang
+
+    parser = argparse.ArgumentParser(prog=launcher_prog(pkg_dir or sglang_package()))
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def build_parser(pkg_dir=None, allow_real=True):
+    """(parser, how, note): how is "real" or "static"; note says why static was used."""
+    pkg_dir = pkg_dir or sglang_package()
+    note = None
+    if allow_real:
+        try:
+            return real_parser(pkg_dir), "real", None
+        except BaseException as exc:  # an import can raise anything, SystemExit included
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            note = "importing sglang failed: %s" % _one_line(exc)
+    else:
+        note = "import not attempted"
+    return static_parser(pkg_dir), "static", note
+
+
+def _one_line(exc):
+    text = ("%s: %s" % (type(exc).__name__, exc)).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------------- static (AST) read
+
+class _Unknown(Exception):
+    pass
+
+
+class _ClassRef(object):
+    def __init__(self, module, node):
+        self.module, self.node = module, node
+
+
+def _dotted(node):
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return (base + "." + node.attr) if base else node.attr
+    return ""
+
+
+class _Source(object):
+    """sglang's modules as ASTs, and constant values resolved across their imports."""
+
+    def __init__(self, pkg_dir):
+        self.pkg_dir = pkg_dir
+        self.root = os.path.dirname(pkg_dir)
+        self.trees = {}
+
+    def path_of(self, module):
+        rel = module.replace(".", os.sep)
+        for candidate in (os.path.join(self.root, rel + ".py"), os.path.join(self.root, rel, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+        return None
+
+    def tree(self, module):
+        if module not in self.trees:
+            path = self.path_of(module) if module.split(".")[0] == "sglang" else None
+            tree = None
+            if path:
+                try:
+                    with open(path, encoding="utf-8") as fh:
+                        tree = ast.parse(fh.read(), path)
+                except (OSError, SyntaxError, ValueError):
+                    tree = None
+            self.trees[module] = tree
+        return self.trees[module]
+
+    def _absolute(self, module, node):
+        if not node.level:
+            return node.module or ""
+        parts = module.split(".")
+        is_pkg = (self.path_of(module) or "").endswith("__init__.py")
+        base = parts if is_pkg else parts[:-1]
+        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def binding(self, module, name, depth=0):
+        """The AST node (or _ClassRef) bound to `name` at module level, following imports."""
+        if depth > 12:
+            raise _Unknown(name)
+        tree = self.tree(module)
+        if tree is None:
+            raise _Unknown(name)
+        found = None
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                found = ("class", node)
+            elif isinstance(node, ast.Assign):
+                if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                    found = ("value", node.value)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and node.target.id == name and node.value is not None:
+                found = ("value", node.value)
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        found = ("import", (self._absolute(module, node), alias.name))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname == name or (alias.asname is None and alias.name.split(".")[0] == name):
+                        found = ("module", alias.name if alias.asname else name)
+        if found is None:
+            raise _Unknown(name)
+        kind, what = found
+        if kind == "class":
+            return _ClassRef(module, what)
+        if kind == "value":
+            return (module, what)
+        if kind == "module":
+            return ("module", what)
+        src, attr = what
+        if self.path_of(src + "." + attr):
+            return ("module", src + "." + attr)
+        return self.binding(src, attr, depth + 1)
+
+    def value(self, module, node, scope=None, depth=0):
+        """A constant expression's value; raises _Unknown for anything computed at run time."""
+        if depth > 24:
+            raise _Unknown("too deep")
+        ev = lambda n: self.value(module, n, scope, depth + 1)  # noqa: E731
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            out = []
+            for elt in node.elts:
+                if isinstance(elt, ast.Starred):
+                    out.extend(ev(elt.value))
+                else:
+                    out.append(ev(elt))
+            return out
+        if isinstance(node, ast.Dict):
+            if any(k is None for k in node.keys):
+                raise _Unknown("dict splat")
+            return dict((ev(k), ev(v)) for k, v in zip(node.keys, node.values))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+                return list(left) + list(right)
+            if isinstance(left, str) and isinstance(right, str):
+                return left + right
+            raise _Unknown("+")
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Name):
+            if scope is not None and node.id in scope:
+                return ev(scope[node.id])
+            if node.id in ("True", "False", "None"):
+                return {"True": True, "False": False, "None": None}[node.id]
+            if node.id in ("int", "float", "str", "bool"):
+                return {"int": int, "float": float, "str": str, "bool": bool}[node.id]
+            return self._bound_value(self.binding(module, node.id), depth)
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Name) and scope is None:
+                target = self.binding(module, base.id)
+            elif isinstance(base, ast.Name) and base.id not in (scope or {}):
+                target = self.binding(module, base.id)
+            else:
+                raise _Unknown("attribute")
+            if isinstance(target, _ClassRef):
+                return self._class_attr(target, node.attr, depth)
+            if isinstance(target, tuple) and target[0] == "module":
+                return self._bound_value(self.binding(target[1], node.attr), depth)
+            raise _Unknown("attribute")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 1 \
+                and not node.keywords and node.func.id in ("list", "tuple", "sorted", "set", "frozenset"):
+            inner = ev(node.args[0])
+            if isinstance(inner, dict):
+                inner = list(inner)
+            if not isinstance(inner, (list, tuple)):
+                raise _Unknown("call")
+            return sorted(inner) if node.func.id == "sorted" else list(inner)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "keys" \
+                and not node.args:
+            inner = ev(node.func.value)
+            if isinstance(inner, dict):
+                return list(inner)
+        raise _Unknown(type(node).__name__)
+
+    def _bound_value(self, bound, depth):
+        if isinstance(bound, _ClassRef):
+            raise _Unknown("class")
+        if isinstance(bound, tuple) and bound[0] != "module":
+            return self.value(bound[0], bound[1], None, depth + 1)
+        raise _Unknown("module")
+
+    def _class_attr(self, ref, attr, depth):
+        scope = {}
+        for stmt in ref.node.body:
+            if isinstance(stmt, ast.Assign):
+                for t in stmt.targets:
+                    if isinstance(t, ast.Name):
+                        scope[t.id] = stmt.value
+            elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+                scope[stmt.target.id] = stmt.value
+        if attr not in scope:
+            raise _Unknown(attr)
+        return self.value(ref.module, scope[attr], scope, depth + 1)
+
+    def class_def(self, module, node):
+        """The ClassDef a Name/Attribute expression refers to (or None)."""
+        try:
+            if isinstance(node, ast.Name):
+                bound = self.binding(module, node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = self.binding(module, node.value.id)
+                bound = self.binding(target[1], node.attr) if isinstance(target, tuple) and target[0] == "module" else None
+            else:
+                bound = None
+        except _Unknown:
+            return None
+        return bound if isinstance(bound, _ClassRef) else None
+
+
+class StaticAction(argparse.Action):
+    """A flag of sglang's own (custom) action class, read from source: it takes the arity the
+    class declares; deprecated ones remember what replaces them, and a retired one that names an
+    error fails like sglang's DeprecatedAction does."""
+
+    def __init__(self, option_strings, dest, servops_class="", new_flag=None, error_message=None,
+                 const_value=None, **kwargs):
+        self.servops_class = servops_class
+        self.new_flag = new_flag
+        self.error_message = error_message
+        self.const_value = const_value
+        argparse.Action.__init__(self, option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.servops_class == "DeprecatedAction" and self.error_message:
+            parser.error(self.error_message)
+        if self.nargs == 0:
+            setattr(namespace, self.dest, self.const_value if self.const_value is not None else True)
+        else:
+            setattr(namespace, self.dest, values)
+
+
+def _opaque(name):
+    def accept(text):
+        return text
+    accept.__name__ = name or "value"
+    return accept
+
+
+_BUILTIN_TYPES = {"int": int, "float": float, "str": str}
+_ARGPARSE_ACTIONS = ("store", "store_true", "store_false", "store_const", "append", "append_const",
+                     "count", "extend", "help", "version")
+
+
+class _StaticBuilder(object):
+    def __init__(self, pkg_dir):
+        self.src = _Source(pkg_dir)
+        self.module = "sglang.srt.server_args"
+        self.unchecked = []   # flags whose choices or type could not be read statically
+        self.skipped = []     # add_argument calls that could not be read at all
+
+    # -- helpers
+    def _val(self, module, node, default=None):
+        try:
+            return self.src.value(module, node)
+        except (_Unknown, RecursionError):
+            return default
+
+    def _custom_action(self, module, node):
+        """(argparse action value, class name, declared nargs default) for an `action=` expression."""
+        if isinstance(node, ast.Constant) and node.value in _ARGPARSE_ACTIONS:
+            return node.value, node.value, None
+        name = _dotted(node).split(".")[-1]
+        if name == "BooleanOptionalAction" and hasattr(argparse, "BooleanOptionalAction"):
+            return argparse.BooleanOptionalAction, name, None
+        nargs = None
+        ref = self.src.class_def(module, node)
+        if ref is not None:
+            for stmt in ref.node.body:
+                if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+                    args = stmt.args.args
+                    defaults = stmt.args.defaults
+                    for arg, dflt in zip(args[len(args) - len(defaults):], defaults):
+                        if arg.arg == "nargs":
+                            nargs = self._val(ref.module, dflt, None)
+        return StaticAction, name, nargs
+
+    def add(self, parser, names, kw, flag_for_notes):
+        try:
+            parser.add_argument(*names, **kw)
+        except (argparse.ArgumentError, ValueError, TypeError) as exc:
+            self.skipped.append("%s (%s)" % (flag_for_notes, _one_line(exc)))
+
+    # -- parser.add_argument(...) calls
+    def explicit(self, parser, module, call):
+        names = [self._val(module, a) for a in call.args]
+        if not names or not all(isinstance(n, str) for n in names):
+            self.skipped.append("an add_argument call at %s line %d" % (module, call.lineno))
+            return
+        raw = dict((k.arg, k.value) for k in call.keywords if k.arg)
+        kw = {}
+        flag = names[0]
+        action_cls = None
+        if "action" in raw:
+            action, cls_name, declared_nargs = self._custom_action(module, raw["action"])
+            kw["action"] = action
+            if action is StaticAction:
+                action_cls = cls_name
+                kw["servops_class"] = cls_name
+                if "nargs" not in raw:
+                    kw["nargs"] = declared_nargs
+                for extra in ("new_flag", "error_message", "const_value"):
+                    if extra in raw:
+                        kw[extra] = self._val(module, raw[extra], "?")
+        for key in ("dest", "nargs", "required", "metavar"):
+            if key in raw:
+                value = self._val(module, raw[key], None)
+                if value is not None:
+                    kw[key] = value
+        if "const" in raw and kw.get("action") in ("store_const", "append_const"):
+            kw["const"] = self._val(module, raw["const"], None)
+        if "type" in raw:
+            tname = _dotted(raw["type"])
+            if tname in _BUILTIN_TYPES:
+                kw["type"] = _BUILTIN_TYPES[tname]
+            elif tname == "json.loads":
+                import json as _json
+                kw["type"] = _json.loads
+            else:
+                kw["type"] = _opaque(tname.split(".")[-1] if tname else "custom")
+                self.unchecked.append(flag)
+        if "choices" in raw:
+            choices = self._val(module, raw["choices"], None)
+            if isinstance(choices, (list, tuple)):
+                kw["choices"] = list(choices)
+            elif isinstance(choices, dict):
+                kw["choices"] = list(choices)
+            else:
+                self.unchecked.append(flag)
+        if kw.get("action") in ("store_true", "store_false", "count", "help", "version") \
+                or kw.get("action") is getattr(argparse, "BooleanOptionalAction", None):
+            for k in ("type", "choices", "nargs", "metavar"):
+                kw.pop(k, None)
+        if action_cls and kw.get("nargs") == 0:
+            for k in ("type", "choices", "metavar"):
+                kw.pop(k, None)
+        self.add(parser, names, kw, flag)
+
+    # -- dataclass fields (add_cli_args_from_dataclass)
+    def _annotated(self, ann):
+        """(type expr, Arg call or help string) of `A[T, ...]` / `Annotated[T, ...]`, else None."""
+        if not isinstance(ann, ast.Subscript) or _dotted(ann.value).split(".")[-1] not in ("A", "Annotated"):
+            return None
+        sl = ann.slice
+        if hasattr(ast, "Index") and isinstance(sl, getattr(ast, "Index")):  # python 3.8
+            sl = sl.value
+        elts = sl.elts if isinstance(sl, ast.Tuple) else [sl]
+        if len(elts) < 2:
+            return None
+        for meta in elts[1:]:
+            if isinstance(meta, ast.Call) and _dotted(meta.func).split(".")[-1] == "Arg":
+                return elts[0], meta
+            if isinstance(meta, ast.Constant) and isinstance(meta.value, str):
+                return elts[0], None
+        return None
+
+    def _subscript_parts(self, node):
+        sl = node.slice
+        if hasattr(ast, "Index") and isinstance(sl, getattr(ast, "Index")):
+            sl = sl.value
+        return sl.elts if isinstance(sl, ast.Tuple) else [sl]
+
+    def _unwrap_optional(self, node):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            sides = [node.left, node.right]
+            rest = [s for s in sides if not (isinstance(s, ast.Constant) and s.value is None)
+                    and not (isinstance(s, ast.Name) and s.id == "None")]
+            if len(rest) == 1:
+                return rest[0]
+        if isinstance(node, ast.Subscript):
+            head = _dotted(node.value).split(".")[-1]
+            parts = self._subscript_parts(node)
+            if head == "Optional" and len(parts) == 1:
+                return parts[0]
+            if head == "Union":
+                rest = [p for p in parts if not (isinstance(p, ast.Constant) and p.value is None)
+                        and not (isinstance(p, ast.Name) and p.id == "None")]
+                if len(rest) == 1:
+                    return rest[0]
+        return node
+
+    def field(self, parser, module, stmt):
+        got = self._annotated(stmt.annotation)
+        if got is None:
+            return
+        type_node, meta_call = got
+        meta = {}
+        if meta_call is not None:
+            meta = dict((k.arg, k.value) for k in meta_call.keywords if k.arg)
+            if meta_call.args:  # Arg("help")
+                meta.setdefault("help", meta_call.args[0])
+        if self._val(module, meta["no_cli"], False) if "no_cli" in meta else False:
+            return
+        name = stmt.target.id
+        cli_name = self._val(module, meta["cli_name"], None) if "cli_name" in meta else None
+        cli_name = cli_name or "--" + name.replace("_", "-")
+        aliases = self._val(module, meta["aliases"], []) if "aliases" in meta else []
+        names = [cli_name] + list(aliases or [])
+        kw = {}
+        if cli_name.lstrip("-").replace("-", "_") != name:
+            kw["dest"] = name
+        has_default = stmt.value is not None
+        choices = None
+        if "choices" in meta:
+            choices = self._val(module, meta["choices"], None)
+            if not isinstance(choices, (list, tuple)):
+                self.unchecked.append(cli_name)
+                choices = None
+        type_parser = _dotted(meta["type_parser"]) if "type_parser" in meta else None
+        nargs = self._val(module, meta["nargs"], None) if "nargs" in meta else None
+        if "action" in meta:
+            action, cls_name, declared_nargs = self._custom_action(module, meta["action"])
+            kw["action"] = action
+            if action is StaticAction:
+                kw["servops_class"] = cls_name
+                kw["nargs"] = declared_nargs
+            extra = self._val(module, meta["action_kwargs"], {}) if "action_kwargs" in meta else {}
+            if isinstance(extra, dict):
+                kw.update(extra)
+            self.add(parser, names, kw, cli_name)
+            return
+        inner = self._unwrap_optional(type_node)
+        head = _dotted(inner.value).split(".")[-1] if isinstance(inner, ast.Subscript) else _dotted(inner)
+
+        def scalar_type(tname):
+            return _BUILTIN_TYPES.get(tname, str)
+
+        if type_parser == "json.loads":
+            import json as _json
+            parser_fn = _json.loads
+        else:
+            parser_fn = _opaque(type_parser) if type_parser else None
+
+        if head == "Literal":
+            literal = [self._val(module, p, None) for p in self._subscript_parts(inner)]
+            kw["choices"] = list(choices) if choices else literal
+            if parser_fn:
+                kw["type"] = parser_fn
+            else:
+                kw["type"] = type(literal[0]) if literal and type(literal[0]) in (int, float, str) else str
+        elif head in ("List", "list") and not type_parser:
+            parts = self._subscript_parts(inner)
+            kw["type"] = scalar_type(_dotted(parts[0]) if parts else "str")
+            kw["nargs"] = nargs or "+"
+            if choices:
+                kw["choices"] = list(choices)
+        elif head == "bool":
+            kw["action"] = "store_true"
+        else:
+            if parser_fn:
+                kw["type"] = parser_fn
+                if parser_fn.__name__ != "loads":
+                    self.unchecked.append(cli_name)
+            else:
+                kw["type"] = scalar_type(head)
+            if choices:
+                kw["choices"] = list(choices)
+            if nargs:
+                kw["nargs"] = nargs
+            required = self._val(module, meta["required"], None) if "required" in meta else None
+            if required is True or (required is None and not has_default):
+                kw["required"] = True
+        self.add(parser, names, kw, cli_name)
+
+    def field_classes(self):
+        """(module, ClassDef) of every class whose fields add_cli_args_from_dataclass registers."""
+        out = []
+        tree = self.src.tree(self.module)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
+                out.append((self.module, node))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES"
+                                                    for t in node.targets) and isinstance(node.value, (ast.List, ast.Tuple)):
+                for elt in node.value.elts:
+                    ref = self.src.class_def(self.module, elt)
+                    if ref is not None:
+                        out.append((ref.module, ref.node))
+        return out
+
+    def build(self):
+        tree = self.src.tree(self.module)
+        if tree is None:
+            raise RuntimeError("cannot read %s" % _server_args_file(self.src.pkg_dir))
+        parser = argparse.ArgumentParser(prog=launcher_prog(self.src.pkg_dir))
+        add_cli = None
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "add_cli_args":
+                        add_cli = item
+        if add_cli is None:
+            raise RuntimeError("no ServerArgs.add_cli_args in %s" % _server_args_file(self.src.pkg_dir))
+        calls = [n for n in ast.walk(add_cli) if isinstance(n, ast.Call)]
+        calls.sort(key=lambda n: (n.lineno, n.col_offset))
+        for call in calls:
+            fname = _dotted(call.func)
+            if fname.endswith(".add_argument"):
+                self.explicit(parser, self.module, call)
+            elif fname.split(".")[-1] == "add_cli_args_from_dataclass":
+                for module, cls in self.field_classes():
+                    for stmt in cls.body:
+                        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                            self.field(parser, module, stmt)
+        parser.servops_unchecked = sorted(set(self.unchecked))
+        parser.servops_skipped = list(self.skipped)
+        return parser
+
+
+def static_parser(pkg_dir=None):
+    """sglang's parser rebuilt from its source without importing it."""
+    pkg_dir = pkg_dir or sglang_package()
+    if not pkg_dir:
+        raise RuntimeError("sglang is not installed")
+    return _StaticBuilder(pkg_dir).build()
+
+
+# --------------------------------------------------------------------------------- validate
+
+def _is_flag(token, parser):
+    return len(token) > 1 and token[0] in parser.prefix_chars and not _NEGATIVE.match(token)
+
+
+def _lookup(parser, name):
+    """("exact"|"abbrev"|"ambiguous"|"unknown", [matching option strings])."""
+    table = parser._option_string_actions
+    if name in table:
+        return "exact", [name]
+    if name.startswith("--") and getattr(parser, "allow_abbrev", True):
+        matches = sorted(o for o in table if o.startswith(name))
+        if len(matches) == 1:
+            return "abbrev", matches
+        if len(matches) > 1:
+            # several spellings of one action (aliases) are one match
+            if len(set(id(table[m]) for m in matches)) == 1:
+                return "abbrev", matches[:1]
+            return "ambiguous", matches
+    return "unknown", []
+
+
+def suggestions(parser, name, n=3):
+    longs = sorted(o for o in parser._option_string_actions if o.startswith("--"))
+    close = difflib.get_close_matches(name, longs, n=n, cutoff=0.6)
+    # spellings that extend the typed text rank first (an abbreviation that no longer resolves)
+    extending = [o for o in longs if o.startswith(name) and o != name]
+    out = []
+    for o in extending + close:
+        if o not in out:
+            out.append(o)
+    return out[:max(n, len(extending))]
+
+
+def _arity(action):
+    nargs = action.nargs
+    if nargs is None:
+        return 1
+    if nargs == argparse.OPTIONAL:
+        return (0, 1)
+    if nargs in (argparse.ZERO_OR_MORE, argparse.ONE_OR_MORE, argparse.REMAINDER):
+        return None  # greedy
+    if isinstance(nargs, int):
+        return nargs
+    return None
+
+
+def _spans(argv, parser):
+    """[(start, end, flag name or None)]: each flag token with the value tokens after it."""
+    spans = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            spans.append((i, len(argv), None))
+            break
+        if _is_flag(tok, parser):
+            j = i + 1
+            while j < len(argv) and not _is_flag(argv[j], parser):
+                j += 1
+            spans.append((i, j, tok))
+            i = j
+        else:
+            spans.append((i, i + 1, None))
+            i += 1
+    return spans
+
+
+def _cut(argv, parser, wanted):
+    """argv without the spans whose flag resolves to one of the option strings in `wanted`
+    (or whose bare tokens are in wanted, for stray values)."""
+    out = []
+    for start, end, flag in _spans(argv, parser):
+        if flag is not None:
+            name = flag.split("=", 1)[0] if flag.startswith("--") else flag
+            kind, matches = _lookup(parser, name)
+            hit = name in wanted or (kind in ("exact", "abbrev") and matches[0] in wanted)
+            if hit:
+                continue
+            action = parser._option_string_actions.get(matches[0]) if matches else None
+            if action is not None and "=" not in flag:
+                arity = _arity(action)
+                if isinstance(arity, int) and end - start - 1 > arity:
+                    # keep only the values the flag takes; the rest are strays argparse would reject
+                    out.extend(argv[start:start + 1 + arity])
+                    out.extend(t for t in argv[start + 1 + arity:end] if t not in wanted)
+                    continue
+            out.extend(argv[start:end])
+        else:
+            out.extend(t for t in argv[start:end] if t not in wanted)
+    return out
+
+
+def _trap(parser):
+    def error(message):
+        raise ParseFailure(message)
+
+    def exit_(status=0, message=None):
+        raise ParseFailure((message or "").strip() or "exited with status %s" % status)
+
+    parser.error = error
+    parser.exit = exit_
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        logging.Handler.__init__(self, logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        try:
+            self.lines.append(_ANSI.sub("", record.getMessage()))
+        except Exception:
+            pass
+
+
+def _jsonable(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    if isinstance(value, dict):
+        try:
+            import json as _json
+            _json.dumps(value)
+            return value
+        except (TypeError, ValueError):
+            return None
+    return str(value)
+
+
+def validate(parser, argv, version=None, keep=None):
+    """Parse `argv` with `parser` as sglang would, without exiting.
+
+    Returns {"ok", "problems": [{"flag", "kind", "message", "suggestions"}], "warnings": [...],
+    "values": {dest: value}}. Every problem is found, not only the first: an unknown or ambiguous
+    flag (with its values) is set aside, and the parse repeats without each failing flag."""
+    _trap(parser)
+    problems, warnings = [], []
+    table = parser._option_string_actions
+    bad = set()
+    used = []
+    for start, end, flag in _spans(list(argv), parser):
+        if flag is None:
+            continue
+        name = flag.split("=", 1)[0] if flag.startswith("--") else flag
+        kind, matches = _lookup(parser, name)
+        if kind == "exact" or kind == "abbrev":
+            used.append((name, matches[0]))
+            if kind == "abbrev":
+                warnings.append({"flag": name, "kind": "abbreviation", "message":
+                                 "abbreviates %s; spell it out: a later release can make it ambiguous" % matches[0]})
+        elif kind == "ambiguous":
+            problems.append({"flag": name, "kind": "ambiguous", "suggestions": matches,
+                             "message": "ambiguous (it could be %s)" % ", ".join(matches)})
+            bad.add(name)
+        else:
+            problems.append({"flag": name, "kind": "unrecognized", "suggestions": suggestions(parser, name),
+                             "message": "unrecognized"})
+            bad.add(name)
+    current = _cut(list(argv), parser, bad) if bad else list(argv)
+    capture = _Capture()
+    root = logging.getLogger()
+    root.addHandler(capture)
+    namespace = None
+    try:
+        for _ in range(64):
+            try:
+                namespace = parser.parse_args(current)
+                break
+            except ParseFailure as exc:
+                message = _ANSI.sub("", str(exc)).strip()
+                m = re.match(r"argument (\S+?): (.*)$", message, re.S)
+                if m:
+                    flags = m.group(1).split("/")
+                    action = next((table[f] for f in flags if f in table), None)
+                    shown = next((u for u, full in used if action is not None and table.get(full) is action), flags[0])
+                    problems.append({"flag": shown, "kind": "value", "message": m.group(2).strip(), "suggestions": []})
+                    if action is None:
+                        break
+                    current = _cut(current, parser, set(action.option_strings))
+                    continue
+                m = re.match(r"unrecognized arguments: (.*)$", message, re.S)
+                if m:
+                    strays = m.group(1).split()
+                    problems.append({"flag": strays[0], "kind": "unrecognized", "suggestions": [],
+                                     "message": "unexpected value(s) %s" % " ".join(strays)})
+                    before = len(current)
+                    current = _cut(current, parser, set(strays))
+                    if len(current) == before:
+                        break
+                    continue
+                m = re.match(r"ambiguous option: (\S+?)(?:=\S*)? could match (.*)$", message, re.S)
+                if m:
+                    problems.append({"flag": m.group(1), "kind": "ambiguous", "message": "ambiguous (it could be %s)"
+                                     % m.group(2).strip(), "suggestions": [s.strip() for s in m.group(2).split(",")]})
+                    current = _cut(current, parser, {m.group(1)})
+                    continue
+                m = re.match(r"the following arguments are required: (.*)$", message, re.S)
+                if m:
+                    for flag in [f.strip() for f in m.group(1).split(",")]:
+                        problems.append({"flag": flag.split("/")[0], "kind": "required", "message": "required",
+                                         "suggestions": []})
+                    break
+                problems.append({"flag": "", "kind": "error", "message": message, "suggestions": []})
+                break
+    finally:
+        root.removeHandler(capture)
+    for name, full in used:
+        action = table.get(full)
+        cls = getattr(action, "servops_class", None) or type(action).__name__
+        if cls.startswith("Deprecated") and not any(p["flag"] == name for p in problems):
+            new = getattr(action, "new_flag", None)
+            warnings.append({"flag": name, "kind": "deprecated", "message": "deprecated" + (
+                "; use %s" % new if new else "")})
+    if "--config" in [n for n, _f in used]:
+        warnings.append({"flag": "--config", "kind": "config", "message": "flags inside the config file were not checked"})
+    values = {}
+    if namespace is not None:
+        for key, value in vars(namespace).items():
+            if keep is None or key in keep:
+                values[key] = _jsonable(value)
+    seen = set()
+    unique = []
+    for p in problems:
+        key = (p["flag"], p["kind"], p["message"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return {"ok": not unique and namespace is not None, "problems": unique, "warnings": warnings,
+            "values": values, "logged": capture.lines[-20:]}

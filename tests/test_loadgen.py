@@ -1,0 +1,217 @@
+"""The load generator (servops/remote/loadgen.py) as the host runs it: the program text on a
+python's stdin, against the SGLang double with known delays. No SSH here (test_bench.py covers
+`invoke bench` end to end); bench_serving's definitions and key set; the double's pacing."""
+
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servops import remote
+from servops.bench import finish, load_dataset, run_summary
+from servops.lab.sshd import free_port
+from servops.remote import loadgen
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = json.loads((REPO / "tests" / "fixtures" / "bench_serving_keys_0.5.23.json").read_text())
+
+
+class Double:
+    def __init__(self, port, proc):
+        self.port, self.proc = port, proc
+
+
+@pytest.fixture
+def double(tmp_path):
+    procs = []
+
+    def start(*flags, **env):
+        port = free_port()
+        full = dict(os.environ, SGLANG_DOUBLE_LOAD_TIME="0", **{f"SGLANG_DOUBLE_{k}": str(v) for k, v in env.items()})
+        log = open(tmp_path / f"double-{port}.log", "w")
+        proc = subprocess.Popen([sys.executable, str(REPO / "servops" / "lab" / "sglang_double.py"), "--model-path",
+                                 str(tmp_path / "model"), "--port", str(port), *flags], env=full, stdout=log,
+                                stderr=subprocess.STDOUT)
+        procs.append(proc)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        return Double(port, proc)
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(10)
+
+
+def run(port, **args):
+    """The loadgen program, run as on a host: (bench_serving-format lines, the reply)."""
+    full = {"port": port, "levels": [1], "requests": 8, "input_len": 16, "output_len": 8, "warmup": 0,
+            "flush_cache": False, "seed": 42}
+    full.update(args)
+    res = subprocess.run([sys.executable, "-"], input=remote.with_args("loadgen", full), text=True,
+                         capture_output=True, timeout=240)
+    lines, reply = [], None
+    for raw in res.stdout.splitlines():
+        data = json.loads(raw)
+        if data.get("progress") == "level":
+            lines.append(data["record"])
+        elif "progress" not in data:
+            reply = data
+    assert reply is not None, res.stderr[-2000:]
+    return lines, reply
+
+
+def test_latencies_match_the_double_and_keys_match_bench_serving(double):
+    d = double(TTFT=0.05, TOKEN_DELAY=0.02)
+    lines, reply = run(d.port, levels=[1, 4], requests=8, output_len=10, warmup=2, flush_cache=True,
+                       slo={"ttft": 500, "tpot": 100})
+    assert reply["stopped"] is None and len(lines) == 2
+    for line in lines:
+        assert line["completed"] == 8 and line["total_output_tokens"] == 80
+        assert 45.0 <= line["median_ttft_ms"] <= 85.0, line["median_ttft_ms"]         # 50 ms to the first token
+        assert 17.0 <= line["median_tpot_ms"] <= 30.0, line["median_tpot_ms"]         # 20 ms per token after it
+        assert 17.0 <= line["median_itl_ms"] <= 30.0, line["median_itl_ms"]
+        assert 200.0 <= line["median_e2e_latency_ms"] <= 330.0                         # 50 + 9 x 20
+        assert line["output_lens"] == [10] * 8 and all(len(i) == 9 for i in line["itls"])
+        assert line["slo_attainment"] == 1.0 and line["request_goodput"] == pytest.approx(line["request_throughput"])
+        s = line["servops"]
+        assert s["output_tokens_from"] == "usage" and s["input_len_unit"] == "words"
+        assert s["warmup"] == {"requests": 2, "ok": 2} and s["flush_cache"]["ok"] is True
+        sm = s["server_metrics"]   # the server's own view of the same level (warmup excluded)
+        assert sm["requests"] == 8 and sm["generation_tokens"] == 80 and sm["histograms"]["ttft"]["count"] == 8
+    # bench_serving's JSONL: its keys in its order (--goodput and --output-details ones included), + "servops"
+    assert list(lines[0]) == KEYS["result"] + KEYS["goodput"] + KEYS["details"] + ["servops"]
+    # bench_serving's meanings: request_rate is the configured rate, concurrency the achieved average
+    assert lines[1]["request_rate"] == math.inf and lines[1]["max_concurrency"] == 4
+    assert 2.5 <= lines[1]["concurrency"] <= 4.0
+    # a line round-trips through json as bench_serving writes it (Infinity for an unset rate)
+    assert json.loads(json.dumps(lines[1]))["request_rate"] == math.inf
+
+
+def test_goodput_when_half_the_requests_miss_the_slo(double):
+    # at most 4 running: of 8 requests sent at once, 4 wait for the first 4 (~230 ms) before their
+    # first token, so a 150 ms TTFT SLO is met by exactly half
+    d = double("--max-running-requests", "4", TTFT=0.05, TOKEN_DELAY=0.02)
+    lines, _ = run(d.port, levels=[8], requests=8, output_len=10, slo={"ttft": 150, "e2el": 10000})
+    line = lines[0]
+    ttfts = sorted(line["ttfts"])
+    assert max(ttfts[:4]) < 0.12 and min(ttfts[4:]) > 0.2, ttfts
+    assert line["slo_attainment"] == 0.5
+    assert line["slo_attainment_by_metric"] == {"ttft": 0.5, "e2el": 1.0}
+    assert line["request_goodput"] == pytest.approx(4 / line["duration"])
+    assert line["servops"]["server_metrics"]["max_queue"] >= 0  # sampled; the queue itself is seen below
+
+
+def test_poisson_arrivals_at_the_requested_rate(double):
+    d = double()  # instant server: arrivals are all the client's doing
+    lines, _ = run(d.port, levels=[64], requests=300, output_len=2, request_rate=100.0, seed=7)
+    s = lines[0]["servops"]
+    assert lines[0]["request_rate"] == 100.0 and lines[0]["completed"] == 300
+    assert 75.0 <= s["achieved_request_rate"] <= 130.0, s["achieved_request_rate"]
+    gaps = [b - a for a, b in zip(sorted(s["per_request"]["dispatch_s"]), sorted(s["per_request"]["dispatch_s"])[1:])]
+    cv = statistics.pstdev(gaps) / statistics.fmean(gaps)
+    assert 0.75 <= cv <= 1.3, cv  # exponential gaps: coefficient of variation 1
+
+
+def test_arrival_process_shape():
+    rnd = random.Random(1)
+    for burstiness, cv_expected in ((1.0, 1.0), (4.0, 0.5), (0.25, 2.0)):
+        t = loadgen.arrival_offsets(20000, 50.0, burstiness, rnd)
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        assert statistics.fmean(gaps) == pytest.approx(1 / 50.0, rel=0.05)
+        assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv_expected, rel=0.1)
+    assert loadgen.arrival_offsets(3, None, 1.0, rnd) == [0.0, 0.0, 0.0]
+
+
+def test_random_ids_exact_lengths_and_flush_refused(double):
+    d = double(TOKEN_DELAY=0.01)
+    lines, _ = run(d.port, levels=[2], requests=4, input_len=33, output_len=5, dataset={"kind": "random-ids"})
+    line = lines[0]
+    assert line["backend"] == "sglang" and line["dataset_name"] == "random-ids"
+    assert line["input_lens"] == [33] * 4 and line["servops"]["per_request"]["server_prompt_tokens"] == [33] * 4
+    assert line["output_lens"] == [5] * 4 and line["servops"]["input_len_unit"] == "tokens"
+    # a request still running: sglang refuses /flush_cache, and the result says so
+    import threading
+    import urllib.request
+
+    body = json.dumps({"prompt": "x", "max_tokens": 300, "stream": False}).encode()
+    t = threading.Thread(target=lambda: urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{d.port}/v1/completions", body, {"Content-Type": "application/json"}), timeout=30).read())
+    t.start()
+    time.sleep(0.2)
+    lines, _ = run(d.port, levels=[2], requests=2, output_len=2, flush_cache=True, flush_timeout=0.2)
+    flush = lines[0]["servops"]["flush_cache"]
+    assert flush["requested"] and not flush["ok"] and flush["status"] == 400
+    result = finish({"runs": [run_summary(lines[0])], "warnings": []}, [2])
+    assert any("refused /flush_cache" in w for w in result["warnings"])
+    t.join()
+
+
+def test_the_double_batches_and_queues_by_its_server_args(double):
+    """Issue 14's knob: throughput at high concurrency follows --max-running-requests and
+    --cuda-graph-max-bs; TTFT grows with queueing."""
+    out = {}
+    for name, flags in (("cap8", ("--max-running-requests", "8")), ("cap32", ("--max-running-requests", "32")),
+                        ("eager", ("--cuda-graph-max-bs", "8"))):
+        d = double(*flags, TOKEN_DELAY=0.01, STEP_PER_SEQ=0.0002)
+        lines, _ = run(d.port, levels=[32], requests=64, output_len=10)
+        out[name] = lines[0]
+        d.proc.terminate()
+    assert out["cap32"]["output_throughput"] > 2.0 * out["cap8"]["output_throughput"]  # model: 2.8x
+    assert out["cap8"]["median_ttft_ms"] > 3 * out["cap32"]["median_ttft_ms"]
+    # above --cuda-graph-max-bs each step pays the eager factor (1.5)
+    ratio = out["eager"]["median_tpot_ms"] / out["cap32"]["median_tpot_ms"]
+    assert 1.3 <= ratio <= 1.7, ratio
+    assert out["cap8"]["servops"]["server_metrics"]["max_queue"] >= 8
+
+
+def test_bench_serving_statistics():
+    recs = [{"ok": True, "start": 10.0, "ttft": 0.1, "itl": [0.01, 0.03], "latency": 0.2, "output_len": 3,
+             "prompt_len": 5, "text": ["a", "b", "c"], "error": ""},
+            {"ok": False, "start": 0.0, "ttft": 0.0, "itl": [], "latency": 0.0, "output_len": 0, "prompt_len": 5,
+             "text": [], "error": "HTTP 503: loading"}]
+    line = loadgen.calculate(recs, 2.0, {"request_rate": math.inf, "max_concurrency": 8, "slo": {"ttft": 50}})
+    assert (line["completed"], line["output_throughput"], line["total_input_tokens"]) == (1, 1.5, 5)
+    assert line["median_itl_ms"] == pytest.approx(20.0) and line["median_ttft_ms"] == pytest.approx(100.0)
+    assert line["mean_tpot_ms"] == pytest.approx(50.0)            # (0.2 - 0.1) / (3 - 1)
+    assert line["errors"] == ["", "HTTP 503: loading"] and line["output_lens"] == [3, 0]
+    assert line["slo_attainment"] == 0.0 and line["slo_attainment_by_metric"] == {"ttft": 0.0}
+    assert line["max_output_tokens_per_s"] == 3.0 and line["max_concurrent_requests"] == 1
+    assert loadgen.pct([1, 2, 3, 4], 50) == 2.5 and loadgen.pct([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert loadgen.std([1.0, 3.0]) == 1.0  # population, as numpy.std
+    empty = loadgen.calculate(recs[1:], 1.0, {"request_rate": 5.0, "max_concurrency": 8})
+    assert empty["mean_ttft_ms"] == 0.0 and empty["mean_e2e_latency_ms"] is None
+
+
+def test_datasets(tmp_path):
+    rnd_lens = loadgen.random_lens(100, 0.5, 1000, random.Random(0))
+    assert min(rnd_lens) >= 50 and max(rnd_lens) == 100 and len(set(rnd_lens)) > 40
+    assert loadgen.random_lens(100, 1.0, 5, random.Random(0)) == [100] * 5
+    a = loadgen.make_requests({"kind": "random", "input_len": 12, "output_len": 4}, 3, 9)
+    assert a == loadgen.make_requests({"kind": "random", "input_len": 12, "output_len": 4}, 3, 9)  # seeded
+    assert all(len(r["prompt"].split()) == 12 for r in a)
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "tell me about gpus please"}, {"from": "gpt", "value": "they are fast chips"}]},
+        {"conversations": [{"from": "human", "value": "hi"}]},
+        {"conversation": [{"value": "one two three"}, {"value": "x"}]}]))
+    spec = load_dataset("sharegpt", str(share))
+    assert spec["kind"] == "sharegpt" and len(spec["rows"]) == 2
+    reqs = loadgen.make_requests(dict(spec, output_len=0), 4, 1)
+    assert {r["prompt_len"] for r in reqs} == {5} and {r["output_len"] for r in reqs} == {4}  # "x" is pruned
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('first prompt\n{"prompt": "second one here"}\n\n')
+    spec = load_dataset(str(prompts))  # a path alone, as before
+    assert spec["kind"] == "prompts" and [r[0] for r in spec["rows"]] == ["first prompt", "second one here"]
