@@ -471,7 +471,55 @@ def lab_down(c, hosts=None, inventory=None):
     return run.recap
 
 
+@servops_task(name="run", positional=["campaign"], help={
+    "campaign": "Campaign name (campaigns/<name>.yml) or a path to one.",
+    "resume": "Continue a campaign that was interrupted: finished trials are not repeated.",
+    "restart": "Start over: the campaign's earlier trials.jsonl is moved aside.",
+})
+def tune_run(c, campaign, resume=False, restart=False, hosts=None, inventory=None):
+    """Run a tuning campaign on one host: each trial deployed, benched, diagnosed when it crashes,
+    journaled here and on the host; resumable; the best (or the base) left deployed."""
+    from servops import tune
+    from servops.campaign import load_campaign
+    from servops.errors import ServopsError
+
+    camp = load_campaign(campaign)  # one-line errors naming file and key, before any connection
+    if resume and restart:
+        raise ServopsError("--resume continues a campaign, --restart starts it over: choose one")
+    inv, host = select_one(inventory, hosts, "tune")
+    if restart:
+        tune.archive_log(host.name, camp.name)
+    run = on_hosts(inventory, host.name, lambda hs: (lambda s: (
+        CHANGED, f"winner {s['winner'] or 'none'}; log {s['log']}", s))(tune.run_campaign(hs, camp, resume)))
+    return run.recap
+
+
+@servops_task(name="report", positional=["campaign"], help={
+    "campaign": "Campaign name (campaigns/<name>.yml) or a path to one.",
+})
+def tune_report(c, campaign, hosts=None, inventory=None):
+    """Write a campaign's report: Markdown and a self-contained HTML page (plots embedded), from
+    results/<host>/campaigns/<name>/trials.jsonl."""
+    from servops import tunereport
+    from servops.campaign import load_campaign
+
+    camp = load_campaign(campaign)
+    inv, targets = select(inventory, hosts)
+    run = VerbRun(inv, targets)
+    for h in targets:  # local files only: no connection
+        try:
+            md, html = tunereport.write_report(h.name, camp)
+        except Exception as exc:  # noqa: BLE001 - reported per host
+            run.recap.mark(h.name, FAILED, str(exc))
+            continue
+        run.recap.mark(h.name, OK, f"wrote {md} and {html}")
+    return run.recap
+
+
+tune_ns = Collection("tune")
+tune_ns.add_task(tune_run, default=True)
+tune_ns.add_task(tune_report)
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
 ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare,
-                diagnose, history, patch_ns)
+                diagnose, history, patch_ns, tune_ns)

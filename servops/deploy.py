@@ -68,19 +68,30 @@ def with_args(variant: dict, extra: dict) -> dict:
     return out
 
 
-def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch]:
-    """Read-only: the variant as it applies to this host, and what it renders to."""
-    return variant, render_launch(hs.host, variant)
+def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch, "LaunchCheck"]:
+    """Read-only, one round trip: the host's own sglang parses the launch (every `when:` branch);
+    a flag it rejects, a missing model, a busy port or too few GPUs refuse here, before anything
+    stops. Returns the variant as it applies to this host's sglang and what it renders to."""
+    from .launchcheck import check_variant, raise_if_refused
+
+    check = check_variant(hs, variant, deploy_root=releases.deploy_root(hs.host))
+    raise_if_refused(check, hs.host.name)
+    return check.variant, render_launch(hs.host, check.variant), check
 
 
 def render_preview(hs: HostSession, variant: dict) -> str:
-    """The launch script exactly as deploy would write it on this host."""
-    resolved, launch = preflight(hs, variant)
+    """The launch script exactly as deploy would write it on this host; what decided it on stderr."""
+    resolved, launch, check = preflight(hs, variant)
     health = resolved.get("health") or {}
-    err_console.print(f"# {hs.host.name}: health gate {health.get('endpoint', '/health')} within "
-                      f"{health_timeout(hs, health):g}s ({'variant' if health.get('timeout') is not None else 'inventory or default'})"
-                      + (f"; secrets from secrets.env: {', '.join(sorted(launch.secret_env))}" if launch.secret_env else ""),
-                      markup=False, highlight=False)
+    source = "variant" if health.get("timeout") is not None else "inventory or default"
+    notes = [f"host sglang: {check.sglang_version or 'not installed'}"
+             + (" (static check)" if check.static else ""),
+             *(f"rule applied: {r}" for r in check.rules),
+             f"health gate: {health.get('endpoint', '/health')} within {health_timeout(hs, health):g}s ({source})"]
+    if launch.secret_env:
+        notes.append(f"secrets from secrets.env (0600): {', '.join(sorted(launch.secret_env))}")
+    for note in notes:
+        err_console.print(f"# {hs.host.name}: {note}", markup=False, highlight=False)
     return launch.script
 
 
@@ -133,22 +144,29 @@ def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_ur
 
 # ---- deploy ----------------------------------------------------------------------------------
 
-def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool = False, diff: bool = False,
+def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
                  no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
                  keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
-                 push_url: str | None = None) -> tuple[str, str]:
-    """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first)."""
-    variant = load_variant(variant_name)
+                 push_url: str | None = None, record: dict | None = None) -> tuple[str, str]:
+    """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first).
+
+    `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
+    the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
+    reason, elapsed, and whether the rollback brought the previous release back."""
+    variant = load_variant(variant) if isinstance(variant, str) else variant
+    variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
         hs.redactor.add(secret_values(variant["env"], hs.host.get("secret_vars") or ()))
     wanted = [] if skip_patches else list(variant["patches"])
     validate(variant, nodes, gate, push_url)
     per_node = node_args(variant, nodes)
     phases = Phases(nodes[0].host.name, nodes[0].redactor)
-    phases.step("preflight", f"{variant_name}: launch check and patch plan, read-only")
+    phases.step("preflight", f"{variant_name}: launch check against the host's sglang, patch plan (read-only)")
     prepared = []
     for hs, extra in zip(nodes, per_node):
-        resolved, launch = preflight(hs, with_args(variant, extra))
+        resolved, launch, check = preflight(hs, with_args(variant, extra))
+        phases.step("preflight", f"{hs.host.name}: {check.summary()}"
+                    + "".join(f"; rule: {r}" for r in check.rules))
         prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
     if dry_run:
         return CHANGED, "; ".join(_plan_text(hs, resolved, launch, actions, diff) for hs, resolved, launch, actions in prepared)
@@ -163,7 +181,8 @@ def deploy_group(nodes: list[HostSession], variant_name: str, *, dry_run: bool =
                 raise DeployError(f"{hs.host.name}: port {server_port(hs)} is already in use by a process servops "
                                   f"did not start; free it or change server_port")
         return _deploy_locked(prepared, locks, variant_name, phases, wanted, diff=diff, no_rollback=no_rollback,
-                              keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url)
+                              keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url,
+                              record=record if record is not None else {})
 
 
 def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, show_diff: bool) -> str:
@@ -183,7 +202,7 @@ def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, sh
 
 
 def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_rollback, keep, gate, bench_opts,
-                   push_url) -> tuple[str, str]:
+                   push_url, record) -> tuple[str, str]:
     hs0 = prepared[0][0]
     previous = {hs.host.name: lock["listing"]["current"] for (hs, *_), lock in zip(prepared, locks)}
     listings = {hs.host.name: lock["listing"] for (hs, *_), lock in zip(prepared, locks)}
@@ -216,6 +235,7 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
             for hs, name in made:
                 releases.ctl(hs, "discard", name=name)
         if isinstance(exc, KeyboardInterrupt):
+            record.update(release=None, state="interrupted", reason="before the server was touched")
             return FAILED, "interrupted before the server was touched: nothing changed"
         raise
     for n in nodes:
@@ -245,6 +265,8 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
                 outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
             except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
                 outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
+            record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
+                          elapsed=outcome.get("elapsed"), log=outcome.get("log"))
             with interrupt.handling():
                 return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep)
     except KeyboardInterrupt:  # a second Ctrl-C, during the rollback: leave, say where things stand

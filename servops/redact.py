@@ -9,12 +9,22 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|CREDENTIAL|AUTH)", re.I)
 MASK = "***"
+# By the name's words: HF_TOKEN, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, OPENAI_API_KEY, DB_PASSWORD,
+# AUTH_TOKEN are secrets; TOKENIZERS_PARALLELISM, MAX_TOKENS or SGLANG_DOUBLE_TOKEN_DELAY are not
+# (masking "false" everywhere would mangle every log). Others: the inventory's `secret_vars`.
+_SECRET_LAST = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PAT"}
+_SECRET_ANY = {"SECRET", "PASSWORD", "PASSWD", "CREDENTIALS"}
+_KEY_QUALIFIERS = {"API", "ACCESS", "PRIVATE", "SECRET", "AUTH", "SIGNING", "ENCRYPTION"}
 
 
 def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", str(name).upper()) if w]
+    if not words:
+        return False
+    if words[-1] in _SECRET_LAST or _SECRET_ANY & set(words):
+        return True
+    return words[-1] == "KEY" and len(words) > 1 and words[-2] in _KEY_QUALIFIERS
 
 
 def secret_values(mapping: Mapping[str, Any], extra_names: Iterable[str] = ()) -> set[str]:

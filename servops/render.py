@@ -118,7 +118,8 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
                   root: Path | None = None) -> Launch:
     env = _environment(root or TEMPLATE_ROOT)
     context: dict[str, Any] = dict(host.vars)
-    context.update(host_name=host.name, variant_name=variant["name"], python=host.python)
+    context.update(host_name=host.name, variant_name=variant["name"], python=host.python,
+                   variant_source=variant.get("source") or f"playbooks/{variant['name']}.yml")
     context.setdefault("server_module", "sglang.launch_server")
     context.setdefault("server_files", [])
     context.update(extra or {})

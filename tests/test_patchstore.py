@@ -53,5 +53,5 @@ def test_bad_diff_and_escaping_paths(tmp_path):
 def test_unknown_and_bad_names(tmp_path):
     with pytest.raises(PatchError, match="no patch named 'nope'.*known: cuda-version-no-subprocess"):
         find_patch("nope")
-    with pytest.raises(PatchError, match="use letters"):
+    with pytest.raises(PatchError, match="use NAME or DIST/NAME"):
         find_patch("../x")

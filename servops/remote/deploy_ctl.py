@@ -166,7 +166,8 @@ def op_lock():
     replace = ARGS.get("replace")
     for _ in range(2):
         if take_lock(owner):
-            out = {"acquired": True, "root": ROOT, "listing": op_releases()}
+            orphans = mark_orphans(owner)
+            out = {"acquired": True, "root": ROOT, "listing": op_releases(), "orphans": orphans}
             if ARGS.get("port"):
                 out["port"] = op_port_check()
             return out
@@ -184,6 +185,23 @@ def op_lock():
             continue
         return {"acquired": False, "held": held, "age": age, "root": ROOT}
     fail("could not take the deploy lock %s" % LOCKFILE)
+
+
+def mark_orphans(owner):
+    """Releases still 'deploying' when we hold the lock belong to a deploy that died (its lock was
+    stale or broken): they are 'interrupted' now, and a guard still watching one stands down."""
+    names = []
+    for rel in list_releases():
+        if rel.get("status") == "deploying":
+            path = os.path.join(RELEASES, rel["name"], "release.json")
+            meta = read_json(path, {}) or {}
+            meta.update(status="interrupted", failure="the deploy that made it did not finish (superseded by %s)"
+                        % owner.get("action"))
+            write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+            journal({"action": "release.interrupted", "release": rel["name"], "who": owner.get("who"),
+                     "detail": "its deploy did not finish"})
+            names.append(rel["name"])
+    return names
 
 
 def op_unlock():
@@ -267,6 +285,43 @@ def port_in_use(port):
         return True
     finally:
         s.close()
+    return False
+
+
+def listener_inodes(port):
+    """Socket inodes listening on this TCP port (IPv4 and IPv6), from /proc/net."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f[9])
+        except (OSError, StopIteration, ValueError):
+            continue
+    return inodes
+
+
+def group_holds_port(pgid, port):
+    """Is this port's listener a process of our server's process group? None: cannot tell."""
+    inodes = listener_inodes(port)
+    if not inodes:
+        return None
+    wanted = {"socket:[%s]" % i for i in inodes}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % pid) as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in wanted:
+                    return True
+        except (OSError, ValueError, IndexError):
+            continue
     return False
 
 
@@ -458,6 +513,12 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
         if http_ok(port, endpoint):
             used = info_ok(port, info_paths) if info_paths else ""
             if used is not None:
+                # A 200 counts only from this release's own process group: a stray server on
+                # the port would otherwise pass for the new release.
+                if group_holds_port((server_proc() or {}).get("pgid", -1), port) is False:
+                    log.settle()
+                    return result("crashed", "port %d answered, but another process holds it, not this release's "
+                                             "server" % port, log.lines[-25:])
                 return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
         elapsed = time.time() - started
         if elapsed > deadline_s:

@@ -1,0 +1,310 @@
+"""A tuning campaign: `campaigns/<name>.yml`, validated up front, expanded into trials.
+
+    base: baseline                        # the variant every candidate is measured against
+    candidates:
+      - variant: piecewise                # a named variant (playbooks/piecewise.yml)
+      - name: mem                         # a grid over the base (or `variant:`)
+        grid:
+          server_args: {mem-fraction-static: [0.80, 0.85, 0.90], cuda-graph-max-bs: [128, 256]}
+        env: {NCCL_NVLS_ENABLE: "1"}      # fixed overrides, like a variant layer
+        server_args: {...}
+        patches: [...]
+    bench: {levels: [1, 10, 256, 1024], requests: 512, input_len: 1024, output_len: 1024,
+            dataset: random, slo: "ttft:500,tpot:50", repeat: 1}
+    objective:
+      maximize: output_tps@1024           # or minimize: p99_ttft_ms@256
+      constraints: ["p99_ttft_ms@256 <= 2000", "failed == 0"]
+    budget: {max_trials: 20, max_wall_time: 12h}
+    auto_patch: true                      # a crash whose known issue names a patch: retry once with it
+    leave: best                           # or base
+    drift_check_after: 2h                 # re-bench the base at the end of a longer campaign
+
+Every value is checked before anything runs; an error is one line naming the file and key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import gate as gatemod
+from .bench import DATASETS, parse_slo
+from .errors import ServopsError
+from .playbooks import load_variant
+from .schema import ENV_NAME, FLAG, NAME, Field, SchemaError, check_mapping
+
+CAMPAIGN_ROOT = Path(os.environ.get("SERVOPS_CAMPAIGNS") or Path(__file__).resolve().parent.parent / "campaigns")
+
+
+class CampaignError(ServopsError):
+    pass
+
+
+def parse_duration(value: Any) -> str | None:
+    """'90m', '6h', '1h30m', '45s' or a number of seconds -> an error message, or None when valid."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return None
+    if isinstance(value, str) and re.fullmatch(r"\s*(\d+(\.\d+)?\s*[hms]\s*)+", value):
+        return None
+    return "expected a duration like 90m, 6h, 1h30m or seconds"
+
+
+def seconds(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, _f, u in re.findall(r"(\d+(\.\d+)?)\s*([hms])", value))
+
+
+def _levels_ok(value: Any) -> str | None:
+    return None if value else "give at least one level"
+
+
+_SCALAR_OR_LIST = Field("any", nullable=True)
+_GRID_VALUES = Field("list", items=Field("any", nullable=True))
+CANDIDATE = {
+    "name": Field("str", pattern=NAME, what="a name (letters, digits, '.', '_' or '-')"),
+    "variant": Field("str", pattern=NAME, what="a variant name"),
+    "server_args": Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs", items=_SCALAR_OR_LIST),
+    "env": Field("map", keys=ENV_NAME, keys_what="an environment variable name", items=_SCALAR_OR_LIST),
+    "patches": Field("list", items=Field("str", pattern=NAME, what="a patch name")),
+    "grid": Field("record", fields={
+        "server_args": Field("map", keys=FLAG, keys_what="a flag name", items=_GRID_VALUES),
+        "env": Field("map", keys=ENV_NAME, keys_what="an environment variable name", items=_GRID_VALUES)}),
+}
+BENCH = {
+    "levels": Field("list", items=Field("int", 1, 1_000_000, what="a concurrency (1 or more)"), check=_levels_ok),
+    "requests": Field("int", 0), "input_len": Field("int", 1), "output_len": Field("int", 0),
+    "dataset": Field("str", pattern=re.compile("|".join(DATASETS)), what=" / ".join(DATASETS)),
+    "dataset_path": Field("path"), "slo": Field("str"), "repeat": Field("int", 1, 100), "warmup": Field("int", 0),
+    "request_rate": Field("number", low=0.001), "seed": Field("int", 0), "range_ratio": Field("number", 0, 1),
+}
+CAMPAIGN = {
+    "description": Field("any", nullable=True),
+    "base": Field("str", pattern=NAME, what="a variant name"),
+    "candidates": Field("list", items=Field("record", fields=CANDIDATE)),
+    "bench": Field("record", fields=BENCH),
+    "objective": Field("record", fields={
+        "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str"))}),
+    "budget": Field("record", fields={
+        "max_trials": Field("int", 1, 10_000),
+        "max_wall_time": Field("any", check=parse_duration)}),
+    "auto_patch": Field("bool"),
+    "leave": Field("str", pattern=re.compile("best|base"), what="best or base"),
+    "drift_check_after": Field("any", check=parse_duration),
+}
+
+
+@dataclass
+class Trial:
+    """One candidate setting: a variant dict (not a playbook file) and how it was derived."""
+    id: str
+    label: str
+    variant: dict
+    overrides: dict = field(default_factory=dict)   # server_args/env/patches vs its source variant
+    retry_of: str | None = None
+
+    def identity(self, host, render) -> str:
+        """Equal launch script (rendered under one name) and patch set: the same trial."""
+        script = render(host, dict(self.variant, name="trial", source="trial")).script
+        blob = script + "\n--patches--\n" + "\n".join(sorted(self.variant["patches"]))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Objective:
+    sense: str          # maximize | minimize
+    metric: str         # summary name (output_tps, ttft_p99, ...)
+    level: int
+    written: str
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.sense == "maximize" else a < b
+
+    def value(self, result: dict) -> float | None:
+        lv = next((l for l in result.get("levels", []) if l.get("concurrency") == self.level), None)
+        v = (lv or {}).get(self.metric)
+        return None if v is None else float(v)
+
+
+@dataclass
+class Campaign:
+    name: str
+    path: Path
+    data: dict
+    base: str
+    trials: list[Trial]
+    bench: dict
+    objective: Objective
+    constraints: list
+    max_trials: int | None
+    max_wall_s: float | None
+    auto_patch: bool
+    leave: str
+    drift_after_s: float | None
+
+
+def _fail(path: Path, key: str, message: str) -> CampaignError:
+    return CampaignError(f"{path}: {key}: {message}")
+
+
+def _objective(path: Path, spec: dict, levels: list[int]) -> Objective:
+    senses = [s for s in ("maximize", "minimize") if s in spec]
+    if len(senses) != 1:
+        raise _fail(path, "objective", "give exactly one of maximize or minimize, e.g. maximize: output_tps@1024")
+    written = spec[senses[0]].strip()
+    m = re.fullmatch(r"([a-z_0-9]+)\s*@\s*(\d+)", written)
+    if not m:
+        raise _fail(path, f"objective.{senses[0]}", f"{written!r}: expected METRIC@LEVEL, e.g. output_tps@1024")
+    metric = gatemod.ALIASES.get(m[1], m[1])
+    if metric not in gatemod.METRICS:
+        raise _fail(path, f"objective.{senses[0]}", f"unknown metric {m[1]!r} (e.g. output_tps, p99_ttft_ms, goodput)")
+    if int(m[2]) not in levels:
+        raise _fail(path, f"objective.{senses[0]}", f"level {m[2]} is not one of bench.levels {levels}")
+    return Objective(senses[0], metric, int(m[2]), written)
+
+
+def _constraints(path: Path, texts: list[str], levels: list[int], slo: str | None) -> list:
+    """The gate grammar; `failed == 0` (or `failed <= N%`) is the allowed error rate at every level."""
+    terms, error_rate = [], 0.0
+    for i, text in enumerate(texts):
+        m = re.fullmatch(r"\s*failed\s*(==|<=)\s*(\d+(\.\d+)?)\s*(%?)\s*", text)
+        if m:
+            error_rate = float(m[2]) / (100.0 if m[4] else 1.0)
+            if not m[4] and error_rate != 0:
+                raise _fail(path, f"objective.constraints[{i}]", "failed <= N needs a percentage (failed <= 1%), or failed == 0")
+            continue
+        terms.append(text)
+    terms += [f"error_rate@{lv} <= {error_rate:g}" for lv in levels]
+    if slo:
+        terms.append(f"slo({slo})")
+    try:
+        conds = gatemod.parse_gate(", ".join(terms))
+    except gatemod.GateError as exc:
+        raise _fail(path, "objective.constraints", str(exc).replace("--gate ", "")) from None
+    for c in conds:
+        if c.level is not None and c.level not in levels:
+            raise _fail(path, "objective.constraints", f"{c}: level {c.level} is not one of bench.levels {levels}")
+        if c.ref is not None and c.ref != "base":
+            raise _fail(path, "objective.constraints", f"{c}: compare with 'base' (the base trial), not {c.ref!r}")
+    return conds
+
+
+def _layer(variant: dict, overrides: dict, name: str, source: str | None = None) -> dict:
+    """A candidate's overrides over its variant, merged like an `extends` layer."""
+    out = dict(variant)
+    for key in ("server_args", "env"):
+        merged = dict(variant.get(key) or {})
+        for k, v in (overrides.get(key) or {}).items():
+            if v is None:
+                merged.pop(k, None)
+            else:
+                merged[k] = v
+        out[key] = merged
+    out["patches"] = list(variant.get("patches") or []) + [p for p in overrides.get("patches") or []
+                                                          if p not in (variant.get("patches") or [])]
+    out["name"] = name
+    out["when"] = list(variant.get("when") or [])
+    if source:
+        out["source"] = source
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "x"
+
+
+def expand(path: Path, name: str, data: dict) -> list[Trial]:
+    """Trial 'base' first, then every candidate (each grid point its own trial)."""
+    from .patchstore import find_patch
+
+    base = load_variant(data["base"])
+    trials = [Trial("base", f"base ({data['base']})", _layer(base, {}, f"{name}-base", f"campaigns/{name}.yml trial base"))]
+    seen = {"base"}
+    for i, cand in enumerate(data.get("candidates") or []):
+        where = f"candidates[{i}]"
+        if not any(k in cand for k in ("variant", "grid", "server_args", "env", "patches")):
+            raise _fail(path, where, "give a variant, a grid, or server_args/env/patches overrides")
+        src_name = cand.get("variant") or data["base"]
+        src = load_variant(src_name)
+        for p in cand.get("patches") or []:
+            find_patch(p)
+        grid = cand.get("grid") or {}
+        axes = [(section, key, values) for section in ("server_args", "env") for key, values in (grid.get(section) or {}).items()]
+        for section, key, values in axes:
+            if not values:
+                raise _fail(path, f"{where}.grid.{section}.{key}", "give at least one value")
+        label0 = cand.get("name") or (cand.get("variant") if not axes else f"c{i + 1}")
+        combos = itertools.product(*[values for _s, _k, values in axes]) if axes else [()]
+        for combo in combos:
+            overrides = {"server_args": dict(cand.get("server_args") or {}), "env": dict(cand.get("env") or {}),
+                         "patches": list(cand.get("patches") or [])}
+            parts = []
+            for (section, key, _values), value in zip(axes, combo):
+                overrides[section][key] = value
+                parts.append(f"{key}={value}")
+            label = label0 + (f" [{', '.join(parts)}]" if parts else "")
+            tid = _slug(label0 + ("-" + "-".join(str(v) for v in combo) if combo else ""))
+            n, base_id = 2, tid
+            while tid in seen:
+                tid, n = f"{base_id}-{n}", n + 1
+            seen.add(tid)
+            overrides["source"] = src_name
+            trials.append(Trial(tid, label, _layer(src, overrides, f"{name}-{tid}", f"campaigns/{name}.yml trial {tid}"),
+                                overrides))
+    return trials
+
+
+def load_campaign(name_or_path: str) -> Campaign:
+    path = Path(name_or_path)
+    if not path.suffix:
+        if not NAME.fullmatch(name_or_path):
+            raise CampaignError(f"campaign {name_or_path!r}: give a name under campaigns/ or a .yml path")
+        path = CAMPAIGN_ROOT / f"{name_or_path}.yml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CAMPAIGN_ROOT.glob("*.yml"))) or "none"
+        raise CampaignError(f"campaign {name_or_path!r}: no {path} (known: {known})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise CampaignError(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
+    if not isinstance(raw, dict):
+        raise CampaignError(f"{path}: must be a mapping")
+    try:
+        data = check_mapping(raw, CAMPAIGN, f"{path}: ")
+    except SchemaError as exc:
+        raise CampaignError(str(exc)) from None
+    for key in ("base", "bench", "objective"):
+        if key not in data:
+            raise _fail(path, key, "is required")
+    bench = dict(data["bench"])
+    if "levels" not in bench:
+        raise _fail(path, "bench.levels", "is required, e.g. [1, 10, 256, 1024]")
+    if bench.get("slo"):
+        try:
+            parse_slo(bench["slo"])
+        except ServopsError as exc:
+            raise _fail(path, "bench.slo", str(exc)) from None
+    levels = bench["levels"]
+    objective = _objective(path, data["objective"], levels)
+    constraints = _constraints(path, data["objective"].get("constraints") or [], levels, bench.get("slo"))
+    name = path.stem
+    if not NAME.fullmatch(name):
+        raise CampaignError(f"{path}: the file name must be letters, digits, '.', '_' or '-'")
+    try:
+        trials = expand(path, name, data)
+    except ServopsError as exc:
+        raise CampaignError(f"{path}: {exc}") from None
+    budget = data.get("budget") or {}
+    return Campaign(name=name, path=path, data=data, base=data["base"], trials=trials, bench=bench,
+                    objective=objective, constraints=constraints, max_trials=budget.get("max_trials"),
+                    max_wall_s=seconds(budget["max_wall_time"]) if budget.get("max_wall_time") else None,
+                    auto_patch=bool(data.get("auto_patch", False)), leave=data.get("leave", "best"),
+                    drift_after_s=seconds(data["drift_check_after"]) if data.get("drift_check_after") else None)
