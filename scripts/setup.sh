@@ -6,8 +6,9 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 need=()
 # prometheus-pushgateway: the tests push bench results to a real one on loopback.
+# chromium: the tests open tune.report's HTML page in a real headless browser.
 for pair in sshd:openssh-server ssh:openssh-client patch:patch ssh-keygen:openssh-client \
-            prometheus-pushgateway:prometheus-pushgateway; do
+            prometheus-pushgateway:prometheus-pushgateway chromium:chromium; do
   cmd=${pair%%:*}; pkg=${pair#*:}
   if ! command -v "$cmd" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$cmd" ]; then need+=("$pkg"); fi
 done

@@ -313,7 +313,9 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
                      journal={"action": "deploy", "who": operator(), "release": n.name, "variant": variant_name,
                               "outcome": status, "detail": outcome["reason"]})
     report_failure(hs0, n0.name, outcome)
-    hint = f"; next: invoke diagnose -H {hs0.host.name}"
+    from .diagnose import diagnose_command
+
+    hint = f"; next: {diagnose_command(hs0.host.name)}"
     if no_rollback:
         return FAILED, f"{n0.name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is){hint}"
     try:

@@ -66,11 +66,3 @@ def previous_good(releases: list[dict], current: str | None) -> dict | None:
 
 def stop(hs: HostSession, grace: float) -> dict:
     return ctl(hs, "stop", grace=grace, ssh_timeout=int(grace) + 60)
-
-
-def start(hs: HostSession, name: str, port: int) -> dict:
-    return ctl(hs, "start", name=name, port=port)
-
-
-def mark(hs: HostSession, name: str, **fields: Any) -> None:
-    ctl(hs, "mark", name=name, fields=fields)

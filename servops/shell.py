@@ -6,7 +6,6 @@ Nothing here runs anything; the transport layer executes what these return.
 from __future__ import annotations
 
 import shlex
-from typing import Iterable
 
 
 def quote(arg: object) -> str:
@@ -25,10 +24,6 @@ def remote_path(path: str) -> str:
         rest = path[2:]
         return '"$HOME"/' + quote(rest) if rest else '"$HOME"/'
     return quote(path)
-
-
-def join(argv: Iterable[object]) -> str:
-    return " ".join(quote(a) for a in argv)
 
 
 def python_stdin(python: str) -> str:

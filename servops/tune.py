@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bench, releases
+from . import bench, interrupt, releases
 from .campaign import Campaign, Trial, _layer
 from .deploy import deploy_group, preflight
 from .errors import ServopsError
@@ -246,6 +246,9 @@ class Runner:
             done = self.run_trial(t, i, state)
             executed += 1
             self._maybe_queue_retry(t, done)
+            if interrupt.requested():
+                raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
+                                f"-H {self.hs.host.name} --resume")
         return self.finish()
 
     def _finished_twin(self, t: Trial) -> str | None:
@@ -303,6 +306,9 @@ class Runner:
                 deploy_group([self.hs], t.variant, record=record)
             except ServopsError as exc:
                 record.update(state="failed", reason=str(exc))
+            if interrupt.requested():  # Ctrl-C in the deploy: it rolled back; the trial is not done
+                raise TuneError(f"interrupted in trial {t.id} ({record.get('reason')}); continue with "
+                                f"invoke tune {self.camp.name} -H {self.hs.host.name} --resume")
             deploy_s = time.monotonic() - d0
             self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
                                     reason=record.get("reason"), deploy_s=round(deploy_s, 2)))

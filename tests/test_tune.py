@@ -46,6 +46,7 @@ objective:
 budget: {max_trials: 10, max_wall_time: 30m}
 auto_patch: true
 leave: best
+drift_check_after: 1s                                  # a "long" campaign: the base is benched again
 """
 
 
@@ -136,6 +137,8 @@ def test_campaign_runs_resumes_and_reports(tune_lab, tmp_path):
     d = results / "lab1" / "campaigns" / "labcamp"
     md = (d / "report.md").read_text()
     assert "**winner: grid-32**" in md and "--cuda-graph-max-bs 32" in md and "dynamo-get-cuda-version-subprocess" in md
+    drift = next(e for e in entries if e["phase"] == "drift")
+    assert drift["outcome"] == "measured" and f"{drift['drift_pct']:+.1f}%" in md
     page = d / "report.html"
     assert "src='data:image/png;base64," in page.read_text() and "http" not in re.sub(r"data:[^']+", "", page.read_text())
     dom = browser_dom(page, tmp_path)
