@@ -111,7 +111,7 @@ class _Stream(object):
         return self.lines[i].text
 
     # -- Python tracebacks -------------------------------------------------------------
-    def frames(self, i, user=False):
+    def frames(self, i):
         """Frames from line i on (with their source lines); returns (frames, next i)."""
         frames = []
         while i < self.n:
@@ -181,7 +181,7 @@ class _Stream(object):
                     or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
             if _USER_CODE.match(t):
-                frames, i = self.frames(i + 1, user=True)
+                frames, i = self.frames(i + 1)
                 exc["user_frames"].extend(frames)
                 continue
             if not s:
