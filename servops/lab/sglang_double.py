@@ -144,7 +144,7 @@ def parse_args(argv):
     if note:
         log(f"sglang {version}: {note}; parsing with its parser read from source (static)")
     ns = parser.parse_args(argv)  # sglang's usage error and exit 2, as the real server
-    d = vars(ns)
+    d = sa.as_server_args(vars(ns))
     args = types.SimpleNamespace(**d)
     args.tp = d.get("tp_size") or 1
     args.nnodes = d.get("nnodes") or 1

@@ -768,6 +768,22 @@ def _jsonable(value):
     return str(value)
 
 
+# argparse dests that ServerArgs.from_cli_args renames (sglang <= 0.5.13 spelled these flags out)
+_FROM_CLI = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+             "data_parallel_size": "dp_size", "expert_parallel_size": "ep_size",
+             "attention_context_parallel_size": "attn_cp_size", "moe_data_parallel_size": "moe_dp_size"}
+
+
+def as_server_args(values):
+    """Parsed namespace values under ServerArgs' field names, as from_cli_args renames them."""
+    out = dict(values)
+    for src, dst in _FROM_CLI.items():
+        if src in out:
+            value = out.pop(src)
+            out.setdefault(dst, value)
+    return out
+
+
 def validate(parser, argv, version=None, keep=None):
     """Parse `argv` with `parser` as sglang would, without exiting.
 
@@ -856,7 +872,7 @@ def validate(parser, argv, version=None, keep=None):
         warnings.append({"flag": "--config", "kind": "config", "message": "flags inside the config file were not checked"})
     values = {}
     if namespace is not None:
-        for key, value in vars(namespace).items():
+        for key, value in as_server_args(vars(namespace)).items():
             if keep is None or key in keep:
                 values[key] = _jsonable(value)
     seen = set()
