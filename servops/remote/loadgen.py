@@ -872,7 +872,12 @@ def servops_block(records, duration, info, level, repeat, spec, tok_path):
 
 def bench(base, args, emit, progress=None):
     """Run every level (x repeats); emit(record) per finished run. Returns a stop reason or None."""
-    tok = Tokenizer(args["tokenizer"]) if args.get("tokenizer") else None
+    tok = None
+    if args.get("tokenizer"):
+        try:
+            tok = Tokenizer(args["tokenizer"])
+        except Exception as exc:  # tokenizers raises its own Exception type
+            raise ValueError("--tokenizer %s: cannot load a Hugging Face tokenizer there: %s" % (args["tokenizer"], exc))
     spec = args.get("dataset") or {"kind": "random"}
     spec = dict(spec, input_len=args.get("input_len", 128), output_len=args.get("output_len", 128),
                 range_ratio=args.get("range_ratio", 1.0))
