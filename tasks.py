@@ -349,6 +349,36 @@ def render(c, variant, hosts=None, inventory=None):
     return run.recap
 
 
+@servops_task(help={
+    "variant": "Variant to check: playbooks/<variant>.yml (e.g. baseline, piecewise).",
+    "json": "Print one JSON object per host (version, rules, argv, problems, facts, timings).",
+})
+def check(c, variant, json=False, hosts=None, inventory=None):
+    """Launch preflight, read-only: the variant's launch parsed by the host's own sglang, model path, port, GPUs."""
+    import json as jsonlib
+
+    from servops import launchcheck as lc
+    from servops.playbooks import load_variant
+    from servops.releases import deploy_root
+
+    v = load_variant(variant)  # an unknown variant fails before any connection
+
+    def op(hs):
+        res = lc.check_variant(hs, v, deploy_root=deploy_root(hs.host))
+        return (OK if res.ok else FAILED), res.summary(), res
+
+    run = on_hosts(inventory, hosts, op)
+    run.recap.machine_output = json
+    for _h, res in run.each():
+        if json:
+            print(jsonlib.dumps({k: getattr(res, k) for k in (
+                "host", "variant_name", "sglang_version", "parser", "static", "rules", "argv", "ok", "problems",
+                "warnings", "facts", "note", "elapsed_s", "host_timings")}, indent=1, default=str))
+        else:
+            lc.print_check(res)
+    return run.recap
+
+
 @servops_task
 def status(c, hosts=None, inventory=None):
     """Current release, variant, patches, server pid, health and uptime per host."""
@@ -522,4 +552,4 @@ tune_ns.add_task(tune_report)
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
 ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare,
-                diagnose, history, patch_ns, tune_ns)
+                diagnose, history, check, patch_ns, tune_ns)

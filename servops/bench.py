@@ -209,6 +209,7 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
             progress(p)
             return
         line = _redact(p["record"], hs.redactor)
+        line["server_info"] = _mask_secret_keys(line.get("server_info"))
         line["servops"] = dict(_redact(meta, hs.redactor), **line["servops"])
         _add_server_quantiles(line["servops"].get("server_metrics"))
         with open(path, "a") as fh:
@@ -280,6 +281,18 @@ def _redact(obj: Any, redactor: Callable[[str], str]) -> Any:
         if obj and not isinstance(obj[0], (str, dict, list)):
             return obj  # numbers: nothing to mask
         return [_redact(v, redactor) for v in obj]
+    return obj
+
+
+def _mask_secret_keys(obj: Any) -> Any:
+    """sglang's /server_info carries its server args (api_key, ...): mask secret-looking keys."""
+    from .redact import MASK, is_secret_name
+
+    if isinstance(obj, dict):
+        return {k: (MASK if v not in (None, "") and is_secret_name(str(k)) and not isinstance(v, (dict, list))
+                    else _mask_secret_keys(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_mask_secret_keys(v) for v in obj]
     return obj
 
 
@@ -448,10 +461,23 @@ def load_result(path: Path) -> dict | None:
     return result
 
 
+def _variant_of(path: Path) -> str | None:
+    """The variant a saved result belongs to, from its first line (no full parse)."""
+    try:
+        with open(path) as fh:
+            first = fh.readline() if path.suffix == ".jsonl" else fh.read()
+        data = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    return (data.get("servops") or {}).get("variant") if path.suffix == ".jsonl" else data.get("variant")
+
+
 def latest_for_variant(host: str, variant: str) -> dict | None:
     """The newest saved result of `variant` on `host` (complete runs preferred)."""
     found = []
     for path in list((RESULTS_ROOT / host).glob("*/*.jsonl")) + list((RESULTS_ROOT / host).glob("*/*.json")):
+        if _variant_of(path) != variant:
+            continue
         data = load_result(path)
         if data and data.get("variant") == variant and data.get("levels"):
             found.append((bool(data.get("complete")), data.get("created") or "", path.name, data))
@@ -463,9 +489,9 @@ def latest_for_variant(host: str, variant: str) -> dict | None:
 def saved_variants(host: str) -> set[str]:
     out = set()
     for path in list((RESULTS_ROOT / host).glob("*/*.jsonl")) + list((RESULTS_ROOT / host).glob("*/*.json")):
-        data = load_result(path)
-        if data and data.get("variant") and data.get("levels"):
-            out.add(data["variant"])
+        v = _variant_of(path)
+        if v:
+            out.add(v)
     return out
 
 

@@ -128,6 +128,8 @@ def evidence(f: dict) -> Evidence:
     if f.get("abort"):
         types.append(f["abort"]["type"])
         text.append(f"{f['abort']['type']}: {f['abort']['what']}")
+        if "\n" in f["abort"]["what"]:  # a terminal-wrapped what(): matched joined too
+            text.append(f["abort"]["what"].replace("\n", ""))
         if f["abort"].get("raised_from"):
             text.append("raised from " + f["abort"]["raised_from"])
     if f.get("fatal"):

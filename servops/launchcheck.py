@@ -60,13 +60,15 @@ class LaunchCheck:
 
     def summary(self) -> str:
         """One line for the recap."""
-        where = f"sglang {self.sglang_version}" if self.sglang_version else "no sglang on the host"
         how = {"real": "sglang's parser", "static": "static check of sglang's source", None: "not checked"}[self.parser]
         rules = f", {len(self.rules)} rule(s)" if self.rules else ""
         if not self.ok:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-            return f"refused on {where} ({how}): {self.problems[0]}{more}"
-        return f"launch ok on {where} ({how}{rules}) in {self.elapsed_s:.2f}s"
+            where = f" on sglang {self.sglang_version} ({how})" if self.sglang_version else ""
+            return f"refused{where}: {self.problems[0]}{more}"
+        if not self.sglang_version:
+            return f"no sglang on the host: flags not checked ({self.server_module}); facts ok in {self.elapsed_s:.2f}s"
+        return f"launch ok on sglang {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
 
 
 def _server_module(hs: HostSession) -> str:
@@ -115,10 +117,8 @@ def _problem_lines(result: dict, version: str | None, static: bool) -> list[str]
             text = f"{flag}: ambiguous {on}; it could be {', '.join(sugg)}: spell the one you mean"
         elif kind == "required":
             text = f"{flag}: required {on}"
-        elif kind == "value":
-            text = f"{flag}: {msg} ({on[3:]})"
-        else:
-            text = f"{msg} ({on[3:]})" if not flag else f"{flag}: {msg} ({on[3:]})"
+        else:  # a bad value (invalid choice, wrong type, missing argument) or argparse's own words
+            text = f"{flag}: {msg} {on}" if flag else f"{msg} {on}"
         lines.append(text)
     return lines
 

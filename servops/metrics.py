@@ -3,11 +3,30 @@
 The scrape runs on the host (the server port is usually not public); parsing is local, with
 prometheus_client's own text parser. Histogram quantiles use Prometheus' histogram_quantile
 rule (linear interpolation inside the bucket).
+
+Gauges with several TP ranks. SGLang's scheduler gauges carry the labels model_name, engine_type,
+tp_rank, pp_rank, moe_ep_rank (and dp_rank under data parallelism); only the stats-logging
+scheduler of each DP group (attn_tp_rank 0) reports them, unless
+--enable-metrics-for-all-schedulers makes EVERY rank report its own series (multiprocess mode
+"mostrecent"). TP ranks run one batch together, so their series repeat the same state: summing
+them counts a TP8 server's requests and KV usage eight times. Each gauge is aggregated by what
+it means:
+  counts (running and queued requests, used tokens, generation throughput): as sglang itself
+      reports them, one value per scheduler group: the group's lowest rank (its stats-logging
+      rank), summed over groups (DP ranks);
+  ratios (token usage, cache hit rate): the mean over every rank's series, and the max.
+`gauges[...]["per_rank"]` keeps every series, and the min/max show a rank that disagrees.
+
+`metrics --watch`: each scrape after the first also gets a window: histogram buckets and counters
+of this scrape minus the previous one (Prometheus' histogram_quantile(rate(...)) over the
+interval), next to the since-start quantiles.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,15 +34,23 @@ from .errors import ServopsError
 from .remote_exec import run_program
 from .transport import HostSession
 
+COUNT, RATIO = "count", "ratio"
 GAUGES = {
-    "running": "sglang:num_running_reqs", "queued": "sglang:num_queue_reqs", "token_usage": "sglang:token_usage",
-    "gen_throughput": "sglang:gen_throughput", "cache_hit_rate": "sglang:cache_hit_rate",
+    "running": ("sglang:num_running_reqs", COUNT), "queued": ("sglang:num_queue_reqs", COUNT),
+    "token_usage": ("sglang:token_usage", RATIO), "gen_throughput": ("sglang:gen_throughput", COUNT),
+    "cache_hit_rate": ("sglang:cache_hit_rate", RATIO), "used_tokens": ("sglang:num_used_tokens", COUNT),
 }
 HISTOGRAMS = {
     "ttft": "sglang:time_to_first_token_seconds", "itl": "sglang:inter_token_latency_seconds",
     "e2e": "sglang:e2e_request_latency_seconds",
 }
+COUNTERS = {
+    "requests": "sglang:num_requests", "prompt_tokens": "sglang:prompt_tokens",
+    "generation_tokens": "sglang:generation_tokens",
+}
 QUANTILES = (0.5, 0.9, 0.99)
+# Labels that tell the ranks of ONE scheduler group apart (their series are replicas).
+RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
 
 
 class MetricsError(ServopsError):
@@ -50,7 +77,7 @@ def _family(families: dict, name: str) -> list:
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     """buckets: (upper bound, cumulative count) sorted by bound, +Inf last."""
-    if not buckets or buckets[-1][1] == 0:
+    if not buckets or buckets[-1][1] <= 0:
         return None
     total = buckets[-1][1]
     rank = q * total
@@ -66,21 +93,106 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return prev_bound
 
 
+def _rank_key(labels: dict) -> tuple:
+    def num(v):
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return 0
+    return tuple(num(labels.get(k)) for k in ("tp_rank", "pp_rank", "moe_ep_rank"))
+
+
+def _rank_name(labels: dict) -> str:
+    parts = [f"dp{labels['dp_rank']}"] if "dp_rank" in labels else []
+    parts += [f"tp{labels['tp_rank']}"] if "tp_rank" in labels else []
+    parts += [f"pp{labels['pp_rank']}"] if labels.get("pp_rank") not in (None, "0") else []
+    return "/".join(parts) or "-"
+
+
+def aggregate_gauge(samples: list, kind: str) -> dict | None:
+    """One gauge's series -> {"value", "mean", "min", "max", "ranks", "groups", "per_rank"}
+    (see the module doc for what "value" is per kind)."""
+    series = [s for s in samples if not s.name.endswith("_created")]
+    if not series:
+        return None
+    groups: dict[tuple, list] = {}
+    for s in series:
+        key = tuple(sorted((k, v) for k, v in s.labels.items() if k not in RANK_LABELS))
+        groups.setdefault(key, []).append(s)
+    values = [s.value for s in series]
+    mean = sum(values) / len(values)
+    if kind == COUNT:
+        value = sum(min(members, key=lambda s: _rank_key(s.labels)).value for members in groups.values())
+    else:
+        value = mean
+    per_rank = {}
+    for s in sorted(series, key=lambda s: (s.labels.get("dp_rank", ""), _rank_key(s.labels))):
+        per_rank[_rank_name(s.labels)] = s.value
+    return {"value": value, "mean": mean, "min": min(values), "max": max(values), "ranks": len(series),
+            "groups": len(groups), "per_rank": per_rank}
+
+
+def _buckets(samples: list) -> tuple[list[tuple[float, float]], float, float]:
+    merged: dict[float, float] = {}
+    count = total = 0.0
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            merged[le] = merged.get(le, 0.0) + s.value
+        elif s.name.endswith("_count"):
+            count += s.value
+        elif s.name.endswith("_sum"):
+            total += s.value
+    return sorted(merged.items()), count, total
+
+
+def _quantiles(buckets: list[tuple[float, float]], count: float) -> dict:
+    return {"count": count, **{f"p{int(q * 100)}": histogram_quantile(q, buckets) for q in QUANTILES}}
+
+
 def summarise(families: dict) -> dict:
-    out: dict = {}
-    for key, name in GAUGES.items():
-        samples = [s for s in _family(families, name) if not s.name.endswith(("_created",))]
-        out[key] = sum(s.value for s in samples) if samples else None
+    out: dict = {"gauges": {}, "raw": {"histograms": {}, "counters": {}}}
+    ranks = 0
+    for key, (name, kind) in GAUGES.items():
+        agg = aggregate_gauge(_family(families, name), kind)
+        out["gauges"][key] = agg
+        out[key] = agg["value"] if agg else None
+        if kind == RATIO:
+            out[f"{key}_max"] = agg["max"] if agg else None
+        ranks = max(ranks, agg["ranks"] if agg else 0)
+    out["ranks"] = ranks
     for key, name in HISTOGRAMS.items():
-        samples = _family(families, name)
-        merged: dict[float, float] = {}
-        for s in samples:
-            if s.name.endswith("_bucket"):
-                le = float(s.labels["le"])
-                merged[le] = merged.get(le, 0.0) + s.value
-        buckets = sorted(merged.items())
-        count = sum(s.value for s in samples if s.name.endswith("_count"))
-        out[key] = {"count": count, **{f"p{int(q * 100)}": histogram_quantile(q, buckets) for q in QUANTILES}}
+        buckets, count, total = _buckets(_family(families, name))
+        out[key] = _quantiles(buckets, count)
+        out["raw"]["histograms"][key] = {"buckets": [["+Inf" if math.isinf(b) else b, c] for b, c in buckets],
+                                         "count": count, "sum": total}
+    for key, name in COUNTERS.items():
+        samples = [s for s in _family(families, name) + _family(families, name + "_total")
+                   if s.name.endswith("_total")]
+        out["raw"]["counters"][key] = sum(s.value for s in samples) if samples else None
+    return out
+
+
+def window(prev: dict, cur: dict, seconds: float) -> dict:
+    """What happened between two scrapes: quantiles of the histogram buckets' increase, and
+    counter rates (a counter that went down was reset: its increase is its new value)."""
+    out: dict = {"seconds": round(seconds, 3)}
+    for key in HISTOGRAMS:
+        a = prev["raw"]["histograms"].get(key) or {"buckets": [], "count": 0.0}
+        b = cur["raw"]["histograms"].get(key) or {"buckets": [], "count": 0.0}
+        before = {float(le): c for le, c in a["buckets"]}
+        after = [(float(le), c) for le, c in b["buckets"]]
+        reset = b["count"] < a["count"] or any(c < before.get(le, 0.0) for le, c in after)
+        delta = [(le, c - (0.0 if reset else before.get(le, 0.0))) for le, c in after]
+        count = b["count"] - (0.0 if reset else a["count"])
+        out[key] = _quantiles(delta, count)
+    for key in COUNTERS:
+        a, b = prev["raw"]["counters"].get(key), cur["raw"]["counters"].get(key)
+        if b is None or seconds <= 0:
+            out[f"{key}_per_s"] = None
+            continue
+        increase = b if (a is None or b < a) else b - a
+        out[f"{key}_per_s"] = increase / seconds
     return out
 
 
@@ -99,15 +211,27 @@ def parse_gpu_csv(text: str) -> list[dict]:
     return gpus
 
 
+_previous: dict[str, tuple[float, dict]] = {}
+_previous_lock = threading.Lock()
+
+
 def scrape(hs: HostSession) -> dict:
+    """Scrape and summarise one host; from the second scrape of a host in this process on
+    (`metrics --watch`), `window` holds what changed since the previous one."""
     port = int(hs.host.require("server_port"))
     res = run_program(hs, "scrape", {"port": port})
+    at = time.monotonic()
     where = f"{hs.host.name}:{port}"
     if res.get("fetch_error"):
         raise MetricsError(f"{where}: cannot fetch /metrics: {res['fetch_error']}")
     data = summarise(parse(res["text"], where))
     data["gpus"] = parse_gpu_csv(res.get("gpu_csv") or "")
     data["host"] = hs.host.name
+    key = f"{hs.host.name}:{port}"
+    with _previous_lock:
+        prev = _previous.get(key)
+        _previous[key] = (at, data)
+    data["window"] = window(prev[1], data, at - prev[0]) if prev else None
     return data
 
 
@@ -115,17 +239,54 @@ def _fmt(v, scale=1.0, digits=1):
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def print_metrics(rows: list[dict]) -> None:
-    from .output import console, print_table, table
+def _pct_cell(row: dict, key: str) -> str:
+    """'41.5%', or '41.5% (max 49.0%)' when the ranks disagree."""
+    agg = (row.get("gauges") or {}).get(key)
+    text = _fmt(row.get(key), 100, 1) + "%"
+    if agg and agg["ranks"] > 1 and agg["max"] - agg["min"] > 1e-9:
+        text += f" (max {agg['max'] * 100:.1f}%)"
+    return text
 
-    t = table("server metrics", ["host", "running", "queued", "token usage", "gen tok/s", "cache hit",
-                                 "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "e2e p50/p99 s"])
+
+def print_metrics(rows: list[dict]) -> None:
+    from .output import print_table, table
+
+    windowed = any(r.get("window") for r in rows)
+    seconds = max((r["window"]["seconds"] for r in rows if r.get("window")), default=0.0)
+    last = f"last {seconds:.0f}s" if seconds >= 1 else f"last {seconds:.1f}s"
+    cols = ["host", "ranks", "running", "queued", "token usage", "gen tok/s", "cache hit", "TTFT p50/p90/p99 ms"]
+    cols += [f"TTFT {last}"] if windowed else []
+    cols += ["ITL p50/p90/p99 ms"] + ([f"ITL {last}"] if windowed else [])
+    cols += ["e2e p50/p99 s"] + ([f"e2e {last}", "req/s"] if windowed else [])
+    t = table("server metrics", cols)
     for r in rows:
-        q = lambda h, s=1000.0: "/".join(_fmt(r[h][p], s) for p in ("p50", "p90", "p99"))
-        t.add_row(r["host"], _fmt(r["running"], 1, 0), _fmt(r["queued"], 1, 0), _fmt(r["token_usage"], 100, 1) + "%",
-                  _fmt(r["gen_throughput"]), _fmt(r["cache_hit_rate"], 100, 1) + "%", q("ttft"), q("itl"),
-                  f"{_fmt(r['e2e']['p50'], 1, 2)}/{_fmt(r['e2e']['p99'], 1, 2)}")
+        q = lambda h, s=1000.0: "/".join(_fmt(h[p], s) for p in ("p50", "p90", "p99"))  # noqa: E731
+        e2e = lambda h: f"{_fmt(h['p50'], 1, 2)}/{_fmt(h['p99'], 1, 2)}"  # noqa: E731
+        w = r.get("window")
+        cells = [r["host"], str(r.get("ranks") or "-"), _fmt(r["running"], 1, 0), _fmt(r["queued"], 1, 0),
+                 _pct_cell(r, "token_usage"), _fmt(r["gen_throughput"]), _pct_cell(r, "cache_hit_rate"), q(r["ttft"])]
+        if windowed:
+            cells.append(q(w["ttft"]) if w else "-")
+        cells.append(q(r["itl"]))
+        if windowed:
+            cells.append(q(w["itl"]) if w else "-")
+        cells.append(e2e(r["e2e"]))
+        if windowed:
+            cells += [e2e(w["e2e"]) if w else "-", _fmt(w["requests_per_s"], 1, 2) if w else "-"]
+        t.add_row(*cells)
     print_table(t)
+    spread = [(r["host"], key, agg) for r in rows for key, agg in (r.get("gauges") or {}).items()
+              if agg and agg["ranks"] > 1 and agg["max"] - agg["min"] > 1e-9]
+    if spread:
+        names = []
+        for _h, _k, agg in spread:
+            names.extend(n for n in agg["per_rank"] if n not in names)
+        s = table("per-rank spread (the ranks of one server disagree)", ["host", "gauge", "min", "max", *names])
+        for host, key, agg in spread:
+            scale, digits = (100.0, 1) if GAUGES[key][1] == RATIO else (1.0, 1)
+            s.add_row(host, key, _fmt(agg["min"], scale, digits), _fmt(agg["max"], scale, digits),
+                      *[_fmt(agg["per_rank"].get(n), scale, digits) for n in names])
+        print_table(s)
     gpu_rows = [(r["host"], g) for r in rows for g in r["gpus"]]
     if gpu_rows:
         g = table("GPUs", ["host", "gpu", "util %", "memory used / total (MiB)"])

@@ -160,3 +160,45 @@ def playbooks_with(tmp_path: Path, **variants: str) -> Path:
     for name, text in variants.items():
         (books / f"{name}.yml").write_text(text)
     return books
+
+
+@pytest.fixture(scope="session")
+def sglang_venvs():
+    """version -> {"venv", "site", "real", "pristine"}: cached venvs holding the real sglang==version
+    wheel (servops/lab/venvs.py build_sglang_venv), built on first use. "real": sglang's real
+    parser imports there; otherwise a check of it is the static (source-reading) one."""
+    built = {}
+
+    def get(version: str) -> dict:
+        if version not in built:
+            venv = remote_venv.build_sglang_venv(version)
+            site = remote_venv.site_packages(venv)
+            record = record_of(site)
+            if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
+                remote_venv.install_flashinfer(venv)
+            built[version] = {"venv": venv, "site": site, "real": remote_venv.sglang_real_parser(version),
+                              "pristine": {rel: (site / rel).read_bytes() for rel in WATCHED}}
+        return built[version]
+
+    return get
+
+
+@pytest.fixture
+def sglang_release(sglang_venvs):
+    """sglang_release("0.5.23") -> that release venv's record; like `venv`, its watched files and
+    servops' patch state are put back after the test."""
+    used = []
+
+    def get(version: str) -> dict:
+        env = sglang_venvs(version)
+        used.append(env)
+        return env
+
+    yield get
+    for env in used:
+        shutil.rmtree(Path(env["venv"]).resolve() / ".servops", ignore_errors=True)
+        for rel, data in env["pristine"].items():
+            path = env["site"] / rel
+            if not path.exists() or path.read_bytes() != data:
+                path.write_bytes(data)
+            shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)

@@ -2,7 +2,6 @@
 named for its own logs and for nothing else; the same log parses the same under every line-prefix
 style real tools use; multi-rank logs are read rank by rank. No host: parsing is pure."""
 
-import re
 from pathlib import Path
 
 import pytest

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from servops.metrics import MetricsError, histogram_quantile, parse, parse_gpu_csv, summarise
+from servops.metrics import MetricsError, histogram_quantile, parse, parse_gpu_csv, summarise, window
 
 TEXT = """# HELP sglang:time_to_first_token_seconds TTFT
 # TYPE sglang:time_to_first_token_seconds histogram
@@ -37,3 +37,68 @@ def test_malformed_metrics_is_a_clear_error():
 def test_gpu_csv():
     assert parse_gpu_csv("0, 97, 170000, 183359\n1, 95, 169000, 183359\n")[1] == \
         {"index": 1, "util": 95.0, "mem_used_mib": 169000.0, "mem_total_mib": 183359.0}
+
+
+def ranked(name: str, values: list[float], dp: list[int] | None = None) -> str:
+    lines = [f"# TYPE {name} gauge"]
+    for r, v in enumerate(values):
+        extra = f',dp_rank="{dp[r]}"' if dp else ""
+        lines.append(f'{name}{{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="{r}"{extra}}} {v}')
+    return "\n".join(lines) + "\n"
+
+
+def test_eight_tp_ranks_report_the_true_values_not_eight_times_them():
+    # --enable-metrics-for-all-schedulers on TP8: every rank repeats its scheduler's state
+    text = (ranked("sglang:num_running_reqs", [12] * 8) + ranked("sglang:num_queue_reqs", [3] * 8)
+            + ranked("sglang:token_usage", [0.42 + 0.01 * r for r in range(8)])
+            + ranked("sglang:cache_hit_rate", [0.25] * 8) + ranked("sglang:gen_throughput", [3100.0] * 8)
+            + ranked("sglang:num_used_tokens", [52000] * 8))
+    s = summarise(parse(text, "h"))
+    assert (s["running"], s["queued"], s["gen_throughput"], s["used_tokens"]) == (12, 3, 3100.0, 52000)
+    assert s["token_usage"] == pytest.approx(0.455) and s["token_usage_max"] == pytest.approx(0.49)
+    assert s["cache_hit_rate"] == pytest.approx(0.25) and s["ranks"] == 8
+    g = s["gauges"]["token_usage"]
+    assert g["groups"] == 1 and g["min"] == pytest.approx(0.42) and list(g["per_rank"])[:2] == ["tp0", "tp1"]
+
+
+def test_dp_groups_add_up_and_each_group_counts_once():
+    # DP attention, dp 2 x attn-tp 4: two schedulers groups, rank 0 of each is its stats-logging rank
+    dp = [0, 0, 0, 0, 1, 1, 1, 1]
+    text = (ranked("sglang:num_running_reqs", [10, 10, 10, 10, 6, 6, 6, 6], dp)
+            + ranked("sglang:token_usage", [0.5, 0.5, 0.5, 0.5, 0.3, 0.3, 0.3, 0.3], dp))
+    s = summarise(parse(text, "h"))
+    assert s["running"] == 16 and s["gauges"]["running"]["groups"] == 2
+    assert s["token_usage"] == pytest.approx(0.4) and s["token_usage_max"] == pytest.approx(0.5)
+    assert list(s["gauges"]["running"]["per_rank"])[4] == "dp1/tp4"
+
+
+def test_rank_zero_only_is_the_value_itself():
+    s = summarise(parse(ranked("sglang:num_running_reqs", [5]) + ranked("sglang:token_usage", [0.3]), "h"))
+    assert s["running"] == 5 and s["token_usage"] == pytest.approx(0.3) and s["ranks"] == 1
+
+
+HIST = """# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{{le="0.1",model_name="m"}} {a}
+sglang:time_to_first_token_seconds_bucket{{le="1.0",model_name="m"}} {b}
+sglang:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {b}
+sglang:time_to_first_token_seconds_count{{model_name="m"}} {b}
+sglang:time_to_first_token_seconds_sum{{model_name="m"}} 1.0
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{{model_name="m"}} {b}
+"""
+
+
+def test_window_is_histogram_quantile_of_the_bucket_increase():
+    first = summarise(parse(HIST.format(a=100, b=100), "h"))     # 100 fast requests so far
+    second = summarise(parse(HIST.format(a=100, b=200), "h"))    # then 100 slow ones
+    w = window(first, second, 10.0)
+    assert second["ttft"]["p50"] == pytest.approx(0.1)           # since start: half are fast
+    assert w["ttft"]["count"] == 100 and w["ttft"]["p50"] == pytest.approx(0.55)  # the window: all slow
+    assert w["requests_per_s"] == pytest.approx(10.0)
+    idle = window(second, second, 5.0)
+    assert idle["ttft"]["p50"] is None and idle["requests_per_s"] == 0.0
+    restarted = summarise(parse(HIST.format(a=3, b=4), "h"))     # counters went down: a restart
+    w = window(second, restarted, 5.0)
+    assert w["ttft"]["count"] == 4 and w["requests_per_s"] == pytest.approx(0.8)
+    import json
+    json.loads(json.dumps(second))  # JSON-safe (+Inf buckets as text)

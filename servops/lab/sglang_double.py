@@ -21,6 +21,26 @@ Server args the model reads: --cuda-graph-max-bs (256), --disable-cuda-graph,
 (mem-fraction-static - WEIGHTS_FRACTION) tokens; a request holds prompt + max_tokens of it.
 TOKEN_DELAY and STEP_PER_SEQ both 0: an instant server (every token at once after TTFT).
 
+Driven by the host's sglang, like the server it stands in for: where the python running the double
+has a real sglang installed, argv is parsed by THAT release's parser (sglang_args.py, shipped beside
+the double: `ServerArgs.add_cli_args` as `sglang.launch_server` builds it, or the same parser read
+from sglang's source when sglang cannot be imported), so a flag the real server rejects makes the
+double exit with sglang's own usage error, exit 2. The endpoints follow that release's HTTP server
+(read from its source): /health and /health_generate (503 while starting), /model_info and
+/server_info (the parsed server args, `version`, and `launch_command` where the release has it),
+the deprecated /get_model_info and /get_server_info, /metrics only with --enable-metrics. Without
+sglang, the double's own small parser applies (unknown flags ignored) and every endpoint is served,
+shaped like the newest release's, with `version` "double".
+Startup as sglang's: weights load with the port closed (SGLANG_DOUBLE_LOAD_TIME, default 0.5 s),
+then the HTTP server answers /health 503 while it warms up (SGLANG_DOUBLE_WARMUP_TIME, default
+0.2 s, 0 when LOAD_TIME is 0), then 200. /model_info answers from the moment the port opens.
+Metrics: scheduler gauges (running, queued, token usage, gen throughput, cache hit rate) carry
+sglang's labels (model_name, engine_type, tp_rank, pp_rank, moe_ep_rank): one label set for TP
+rank 0, or one per TP rank with --enable-metrics-for-all-schedulers (TP ranks run the same batch,
+so they report the same values). Knobs for metric tests: SGLANG_DOUBLE_TOKEN_USAGE and
+SGLANG_DOUBLE_CACHE_HIT_RATE (fixed values), SGLANG_DOUBLE_RANK_SKEW (rank r reports the ratio
+gauges plus r x skew).
+
 With --enable-piecewise-cuda-graph it really runs the dynamo trace SGLang's capture hits:
 torch.compile(fullgraph=True) over flashinfer.jit.cpp_ext.is_cuda_version_at_least on the host's
 own flashinfer file, so an unpatched venv crashes with the real torch._dynamo traceback.
@@ -31,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -48,7 +69,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_args(argv):
+def _own_parser():
     p = argparse.ArgumentParser(prog="sglang_double")
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -59,9 +80,85 @@ def parse_args(argv):
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", default=None)
-    # Every other SGLang flag is accepted and ignored: (--quantization, --attention-backend, ...)
-    args, rest = p.parse_known_args(argv)
-    return args, rest
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-metrics", action="store_true")
+    p.add_argument("--enable-metrics-for-all-schedulers", action="store_true")
+    return p
+
+
+def _load_sglang_args():
+    """sglang_args.py: beside the double in a release (a server file), else in the servops tree."""
+    try:
+        import sglang_args  # noqa: shipped as a server file
+        return sglang_args
+    except ImportError:
+        pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "remote", "sglang_args.py")
+    if not os.path.isfile(path):
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sglang_args", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiles_piecewise(d: dict) -> bool:
+    """Does this release, with these args, run the torch.compile (dynamo) piecewise capture?"""
+    if "cuda_graph_backend_prefill" in d:  # 0.5.14+: per-phase backends
+        backend = d.get("cuda_graph_backend_prefill")
+        if d.get("disable_prefill_cuda_graph") and backend is None:
+            backend = "disabled"
+        cfg = d.get("cuda_graph_config")
+        if isinstance(cfg, str):
+            try:
+                cfg = json.loads(cfg)
+            except ValueError:
+                cfg = None
+        if isinstance(cfg, dict) and isinstance(cfg.get("prefill"), dict) and cfg["prefill"].get("backend"):
+            backend = cfg["prefill"]["backend"]
+        return backend == "tc_piecewise"
+    if "disable_piecewise_cuda_graph" in d and "enforce_piecewise_cuda_graph" in d:
+        return not d.get("disable_piecewise_cuda_graph")  # 0.5.10-0.5.13: on by default
+    return bool(d.get("enable_piecewise_cuda_graph"))
+
+
+def parse_args(argv):
+    """(args, ignored flags). With a real sglang on this python, its own parser decides: a flag it
+    rejects ends the double as it ends sglang (usage error, exit 2)."""
+    sa = _load_sglang_args()
+    pkg = sa.sglang_package() if sa else None
+    if not pkg:
+        if sa is None and importlib.util.find_spec("sglang") is not None:
+            log("warning: sglang is installed but sglang_args.py is missing beside the double: "
+                "using the double's own parser")
+        args, rest = _own_parser().parse_known_args(argv)
+        args.sglang_version, args.parser, args.sglang_package = None, "double", None
+        args.launch_command = " ".join(argv)
+        args.sglang_server_args = {k: v for k, v in vars(args).items()
+                                   if k not in ("sglang_version", "parser", "sglang_package", "launch_command")}
+        return args, rest
+    version = sa.sglang_version(pkg)
+    parser, how, note = sa.build_parser(pkg)
+    if note:
+        log(f"sglang {version}: {note}; parsing with its parser read from source (static)")
+    ns = parser.parse_args(argv)  # sglang's usage error and exit 2, as the real server
+    d = sa.as_server_args(vars(ns))
+    args = types.SimpleNamespace(**d)
+    args.tp = d.get("tp_size") or 1
+    args.nnodes = d.get("nnodes") or 1
+    args.node_rank = d.get("node_rank") or 0
+    args.dist_init_addr = d.get("dist_init_addr")
+    args.enable_piecewise_cuda_graph = _compiles_piecewise(d)
+    args.cuda_graph_max_bs = d.get("cuda_graph_max_bs") or d.get("cuda_graph_max_bs_decode")
+    args.enable_metrics = bool(d.get("enable_metrics"))
+    args.enable_metrics_for_all_schedulers = bool(d.get("enable_metrics_for_all_schedulers"))
+    args.served_model_name = d.get("served_model_name")
+    args.sglang_version, args.parser, args.sglang_package = version, how, pkg
+    args.launch_command = " ".join(argv)
+    args.sglang_server_args = d
+    return args, []
 
 
 def import_without_package_init(modname: str):
@@ -95,56 +192,186 @@ def capture_piecewise_cuda_graph() -> None:
     log("Capture piecewise cuda graph end.")
 
 
+def _jsonable(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def _model_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+ALL_ROUTES = {"/health": ["GET"], "/health_generate": ["GET"], "/model_info": ["GET"], "/get_model_info": ["GET"],
+              "/server_info": ["GET"], "/get_server_info": ["GET"]}
+
+
+def _shape(args) -> dict:
+    """The release's routes and /server_info, /model_info keys; everything for the plain double."""
+    if getattr(args, "sglang_package", None):
+        sa = _load_sglang_args()
+        try:
+            return sa.http_server_shape(args.sglang_package)
+        except Exception as exc:  # an unreadable http_server.py: serve everything
+            log(f"warning: cannot read sglang's http_server.py ({exc}); serving every endpoint")
+    return {"routes": dict(ALL_ROUTES), "server_info_keys": [], "model_info_keys": []}
+
+
+class RankGauge:
+    """A scheduler-side gauge as sglang exports it: one sample per reporting TP rank (rank 0, or every
+    rank with --enable-metrics-for-all-schedulers), labels model_name, engine_type, tp_rank,
+    pp_rank, moe_ep_rank. TP ranks run the same batch, so each reports the same value (plus
+    rank x skew, a test knob). `.labels(model)` returns the gauge itself, so callers written for a
+    plain model_name-labelled Gauge keep working."""
+
+    LABELS = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
+
+    def __init__(self, name, doc, registry, model, ranks, skew=0.0):
+        self.gauge = Gauge(name, doc, self.LABELS, registry=registry)
+        self.children = [self.gauge.labels(model, "unified", str(r), "0", "0") for r in ranks]
+        self.skew = skew
+        self.value = 0.0
+        self.pinned = None
+        self.set(0.0)
+
+    def labels(self, *_ignored):
+        return self
+
+    def pin(self, value):
+        """A fixed value (test knob): later set/inc/dec calls no longer move it."""
+        self.pinned = None
+        self.set(value)
+        self.pinned = value
+
+    def set(self, value):
+        if self.pinned is not None:
+            return
+        self.value = float(value)
+        for r, child in enumerate(self.children):
+            child.set(self.value + self.skew * r)
+
+    def inc(self, amount=1.0):
+        self.set(self.value + amount)
+
+    def dec(self, amount=1.0):
+        self.set(self.value - amount)
+
+
 class Double:
     def __init__(self, args):
         self.args = args
         self.load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
+        self.warmup_time = float(os.environ.get("SGLANG_DOUBLE_WARMUP_TIME", "0.2" if self.load_time > 0 else "0"))
         self.token_delay = float(os.environ.get("SGLANG_DOUBLE_TOKEN_DELAY", "0.0"))
         self.ttft = float(os.environ.get("SGLANG_DOUBLE_TTFT", "0.0"))
         self.never_healthy = os.environ.get("SGLANG_DOUBLE_NEVER_HEALTHY") == "1"
         self.broken_metrics = os.environ.get("SGLANG_DOUBLE_BROKEN_METRICS") == "1"
         self.exit_after = int(os.environ.get("SGLANG_DOUBLE_EXIT_AFTER_REQUESTS", "0"))
         self.started_requests = 0
-        self.ready_at = time.monotonic() + self.load_time
+        self.ready_at = time.monotonic() + self.warmup_time  # the HTTP server is up: warmup starts
         self.started = time.time()
+        self.shape = _shape(args)
         reg = self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self.running = Gauge("sglang:num_running_reqs", "Running requests", labels, registry=reg)
-        self.queued = Gauge("sglang:num_queue_reqs", "Queued requests", labels, registry=reg)
-        self.token_usage = Gauge("sglang:token_usage", "KV cache token usage", labels, registry=reg)
-        self.gen_tps = Gauge("sglang:gen_throughput", "Generation throughput (token/s)", labels, registry=reg)
-        self.hit_rate = Gauge("sglang:cache_hit_rate", "Prefix cache hit rate", labels, registry=reg)
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=reg)
-        self.gen_tokens = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=reg)
-        self.requests = Counter("sglang:num_requests", "Requests", labels, registry=reg)
-        self.ttft_h = Histogram("sglang:time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS, registry=reg)
-        self.itl_h = Histogram("sglang:inter_token_latency_seconds", "ITL", labels, buckets=LATENCY_BUCKETS, registry=reg)
-        self.e2e_h = Histogram("sglang:e2e_request_latency_seconds", "E2E", labels, buckets=LATENCY_BUCKETS, registry=reg)
         self.model = os.path.basename(args.model_path.rstrip("/")) or args.model_path
+        tp = max(1, int(getattr(args, "tp", 1) or 1))
+        ranks = range(tp) if getattr(args, "enable_metrics_for_all_schedulers", False) else range(1)
+        skew = float(os.environ.get("SGLANG_DOUBLE_RANK_SKEW", "0") or 0)
+        m = self.model
+        self.running = RankGauge("sglang:num_running_reqs", "The number of running requests.", reg, m, ranks)
+        self.queued = RankGauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", reg, m, ranks)
+        self.token_usage = RankGauge("sglang:token_usage", "The token usage.", reg, m, ranks, skew)
+        self.gen_tps = RankGauge("sglang:gen_throughput", "The generation throughput (token/s).", reg, m, ranks)
+        self.hit_rate = RankGauge("sglang:cache_hit_rate", "The prefix cache hit rate.", reg, m, ranks, skew)
+        for gauge, knob in ((self.token_usage, "SGLANG_DOUBLE_TOKEN_USAGE"), (self.hit_rate, "SGLANG_DOUBLE_CACHE_HIT_RATE")):
+            if os.environ.get(knob):
+                gauge.pin(float(os.environ[knob]))
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg)
+        self.gen_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.", labels, registry=reg)
+        self.requests = Counter("sglang:num_requests", "The number of processed requests.", labels, registry=reg)
+        self.ttft_h = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                labels, buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl_h = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               labels, buckets=LATENCY_BUCKETS, registry=reg)
+        self.e2e_h = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                               labels, buckets=LATENCY_BUCKETS, registry=reg)
         self._window: list[tuple[float, int]] = []
-        self.hit_rate.labels(self.model).set(0.0)
 
     def ready(self) -> bool:
         return not self.never_healthy and time.monotonic() >= self.ready_at
 
+    # ---- sglang's native endpoints (shapes from the release's http_server.py) ----
+
     async def health(self, request):
+        """/health and /health_generate: 503 while starting (warmup), then 200, empty bodies."""
         if not self.ready():
-            return web.Response(status=503, text="loading")
-        return web.Response(text="ok")
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    def _model_info(self) -> dict:
+        a, sargs = self.args, self.args.sglang_server_args
+        config = _model_config(a.model_path)
+        values = {
+            "model_path": a.model_path, "served_model_name": sargs.get("served_model_name") or a.model_path,
+            "tokenizer_path": sargs.get("tokenizer_path") or a.model_path, "is_generation": True,
+            "preferred_sampling_params": sargs.get("preferred_sampling_params"),
+            "weight_version": sargs.get("weight_version") or "default", "load_format": sargs.get("load_format") or "auto",
+            "reasoning_parser": sargs.get("reasoning_parser"), "tool_call_parser": sargs.get("tool_call_parser"),
+            "disaggregation_mode": sargs.get("disaggregation_mode") or "null",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": config.get("model_type"), "architectures": config.get("architectures"),
+        }
+        keys = self.shape["model_info_keys"] or list(values)
+        out = {k: values.get(k) for k in keys}
+        # The double's own additions (no sglang release has them): what it was started with.
+        out.update(tp_size=a.tp, piecewise_cuda_graph=bool(a.enable_piecewise_cuda_graph))
+        return out
 
     async def model_info(self, request):
-        if not self.ready():
-            return web.json_response({"error": "loading"}, status=503)
-        return web.json_response({"model_path": self.args.model_path, "tokenizer_path": self.args.model_path,
-                                  "is_generation": True, "tp_size": self.args.tp,
-                                  "piecewise_cuda_graph": self.args.enable_piecewise_cuda_graph})
+        if request.path.startswith("/get_"):
+            log("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+                "Please use '/model_info' instead.")
+        return web.json_response(self._model_info())
+
+    async def server_info(self, request):
+        """The server args as parsed, scheduler info, internal state per DP rank, the version, and
+        (on releases that have them) launch_command, kv_events, startup_time, frontend."""
+        if request.path.startswith("/get_"):
+            log("Endpoint '/get_server_info' is deprecated and will be removed in a future version. "
+                "Please use '/server_info' instead.")
+        a = self.args
+        pacer = self._pacer()
+        capacity = int(pacer.kv_capacity)
+        info = {k: _jsonable(v) for k, v in a.sglang_server_args.items()}
+        info.update({"status": "ready", "max_total_num_tokens": capacity, "max_req_input_len": max(capacity - 1, 0)})
+        last = self.gen_tps.value
+        info["internal_states"] = [{**{k: _jsonable(v) for k, v in a.sglang_server_args.items()},
+                                    "last_gen_throughput": last,
+                                    "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": capacity, "graph": 0.0},
+                                    "effective_max_running_requests_per_dp": pacer.max_running or 4096}]
+        info["version"] = a.sglang_version or "double"
+        extra = {"launch_command": a.launch_command, "kv_events": None, "startup_time": self.started,
+                 "frontend": "python"}
+        for key in (self.shape["server_info_keys"] if a.sglang_package else list(extra)):
+            if key in extra:
+                info[key] = extra[key]
+        return web.json_response(info)
 
     async def metrics(self, request):
         if self.broken_metrics:
             return web.Response(text='sglang:num_running_reqs{model_name="x" 3\n{{not prometheus', content_type="text/plain")
         now = time.monotonic()
         self._window = [(t, n) for t, n in self._window if now - t < 5]
-        self.gen_tps.labels(self.model).set(sum(n for _, n in self._window) / 5.0)
+        self.gen_tps.set(sum(n for _, n in self._window) / 5.0)
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     # ---- generation side: pacing, /v1/completions, /generate, /flush_cache ----
@@ -483,15 +710,31 @@ class Pacer:
 
 
 def main(argv=None):
-    args, ignored = parse_args(sys.argv[1:] if argv is None else argv)
-    log(f"server_args: {vars(args)} (ignored flags: {' '.join(ignored) or 'none'})")
+    argv = sys.argv[1:] if argv is None else argv
+    args, ignored = parse_args(argv)
+    if args.parser == "double":
+        log(f"server_args: {args.sglang_server_args} (ignored flags: {' '.join(ignored) or 'none'})")
+    else:
+        log(f"server_args (sglang {args.sglang_version}, {args.parser} parser): {args.launch_command}")
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
     if args.enable_piecewise_cuda_graph:
         capture_piecewise_cuda_graph()  # raises, with the real traceback, on an unpatched flashinfer
+    load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
+    if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
+        time.sleep(load_time)
+    log("Load weight end.")
     double = Double(args)
     app = web.Application()
-    app.add_routes([web.get("/health", double.health), web.get("/get_model_info", double.model_info),
-                    web.get("/metrics", double.metrics), web.post("/v1/completions", double.completions),
+    routes = double.shape["routes"]
+    handlers = {"/health": double.health, "/health_generate": double.health, "/model_info": double.model_info,
+                "/get_model_info": double.model_info, "/server_info": double.server_info,
+                "/get_server_info": double.server_info}
+    for path, handler in handlers.items():
+        if path in routes:
+            app.router.add_get(path, handler)
+    if args.enable_metrics or args.parser == "double":
+        app.router.add_get("/metrics", double.metrics)
+    app.add_routes([web.post("/v1/completions", double.completions),
                     web.post("/generate", double.generate), web.route("*", "/flush_cache", double.flush_cache)])
     log(f"Uvicorn running on http://{args.host}:{args.port} (double)")
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, backlog=2048)

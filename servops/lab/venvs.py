@@ -97,3 +97,119 @@ def build_bench_serving_venv(log=print) -> Path:
     _run([py, "-W", "ignore", "-c", "import sglang.benchmark.serving"])
     marker.write_text("ok\n")
     return venv
+
+
+# ---------------------------------------------------------------------------------------------
+# Release venvs: a host whose sglang is a real release (the launch preflight and the double parse
+# argv with its own parser). Each is a small venv over the base venv above (a .pth names its
+# site-packages, so torch is not installed again) holding the real `sglang==X` wheel (--no-deps),
+# its own flashinfer copy (patches apply per venv) and, for sglang's real parser, what
+# `import sglang.srt.server_args` needs on top of the base, found by importing it:
+
+SGLANG_RELEASES = ("0.5.9", "0.5.15", "0.5.23")
+SGLANG_PARSER_DEPS_COMMON = ["orjson", "psutil", "pybase64", "requests", "pillow", "starlette", "msgspec",
+                             "pydantic", "pyzmq", "tqdm", "ipython"]
+SGLANG_PARSER_DEPS = {
+    # function_call_parser -> openai; hf_transformers_utils -> transformers (the release's pins)
+    "0.5.9": ["openai==2.6.1", "transformers==4.57.1", "partial_json_parser", "safetensors", "pyyaml", "dill",
+              "sentencepiece"],
+    "0.5.15": ["openai==2.6.1", "transformers==5.12.1", "partial_json_parser", "dill", "sentencepiece"],
+    # srt/utils/common.py imports triton at module level (3.8: the triton torch 2.14.1 pins)
+    "0.5.23": ["triton==3.8.0"],
+}
+# 0.5.9 and 0.5.15 also import torchvision at module level (utils/common.py, configs/*), and PyPI's
+# torchvision loads only beside its own CUDA torch (libc10_cuda.so), not the base's CPU torch
+# 2.13.0. Their real parser needs torch 2.14.1 + torchvision 0.29.1 (5.5 GB with the nvidia
+# libraries, ~2 min to install from this machine's disk): a layer built only on request. By
+# default those releases are checked through the static path (sglang's source read by AST).
+NEEDS_CUDA_TORCH = {"0.5.9", "0.5.15"}
+CUDA_TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
+PARSER_MODE_ENV = "SERVOPS_TEST_SGLANG_PARSER"  # auto (default) | real | static
+
+
+def sglang_real_parser(version: str) -> bool:
+    """Does this release's venv get what sglang's real parser imports? auto: where the base
+    venv's CPU torch suffices (0.5.23); real: every release (builds the CUDA torch layer);
+    static: none."""
+    mode = os.environ.get(PARSER_MODE_ENV, "auto")
+    if mode == "static":
+        return False
+    if mode == "real":
+        return True
+    return version not in NEEDS_CUDA_TORCH
+
+
+def sglang_wheel(version: str) -> Path:
+    d = wheel_dir()
+    found = sorted(d.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d), f"sglang=={version}"])
+        found = sorted(d.glob(f"sglang-{version}-*.whl"))
+    return found[0]
+
+
+class _BuildLock:
+    """One builder at a time per cache (parallel test processes share it)."""
+
+    def __init__(self, name: str):
+        CACHE.mkdir(parents=True, exist_ok=True)
+        self.path = CACHE / f".{name}.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.fh = open(self.path, "w")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps([sys.version_info[:2], *parts]).encode()).hexdigest()[:12]
+
+
+def cuda_torch_layer() -> Path:
+    """A venv holding only the CUDA torch + torchvision that 0.5.9/0.5.15's import chain needs."""
+    layer = CACHE / f"cuda-torch-{_key(CUDA_TORCH)}"
+    marker = layer / ".servops-test-ready"
+    with _BuildLock("cuda-torch"):
+        if not marker.exists():
+            if layer.exists():
+                subprocess.run(["rm", "-rf", str(layer)], check=True)
+            _run([sys.executable, "-m", "venv", str(layer)])
+            _run([str(layer / "bin" / "python"), "-m", "pip", "install", "-q", *CUDA_TORCH])
+            marker.write_text("ok\n")
+    return layer
+
+
+def sglang_venv_path(version: str, real: bool | None = None) -> Path:
+    real = sglang_real_parser(version) if real is None else real
+    deps = (SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, [])) if real else []
+    cuda = real and version in NEEDS_CUDA_TORCH
+    key = _key(venv_key(), version, deps, CUDA_TORCH if cuda else None, FLASHINFER)
+    return CACHE / f"sglang-{version}-{'real' if real else 'static'}-{key}"
+
+
+def build_sglang_venv(version: str, real: bool | None = None) -> Path:
+    """A cached venv with the real sglang==version (see above). Returns its path."""
+    real = sglang_real_parser(version) if real is None else real
+    base = build_venv()
+    layers = ([site_packages(cuda_torch_layer())] if real and version in NEEDS_CUDA_TORCH else []) + [site_packages(base)]
+    venv = sglang_venv_path(version, real)
+    marker = venv / ".servops-test-ready"
+    with _BuildLock(f"sglang-{version}"):
+        if not marker.exists():
+            if venv.exists():
+                subprocess.run(["rm", "-rf", str(venv)], check=True)
+            _run([sys.executable, "-m", "venv", str(venv)])
+            py = str(venv / "bin" / "python")
+            (site_packages(venv) / "_servops_layers.pth").write_text("".join(f"{p}\n" for p in layers))
+            install_flashinfer(venv)
+            _run([py, "-m", "pip", "install", "-q", "--no-deps", str(sglang_wheel(version))])
+            if real:
+                deps = SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, [])
+                _run([py, "-m", "pip", "install", "-q", *deps])
+            marker.write_text("ok\n")
+    return venv

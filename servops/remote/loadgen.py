@@ -1,10 +1,10 @@
-# The load generator: asyncio + aiohttp, streaming like sglang's bench_serving
+# The load generator: asyncio streams, streaming like sglang's bench_serving
 # (sglang/benchmark/serving.py in sglang 0.5.23), with its metric definitions.
 #
 # Runs on the host (shipped over stdin, after _common.py), so 1024 streams don't squeeze through
 # one SSH channel; bench/loadgen_overhead.py and bench/parity_bench_serving.py run the same code
-# locally. Needs aiohttp on that python (SGLang's environment has it); a --tokenizer needs the
-# `tokenizers` package there too (SGLang's environment has it).
+# locally. Standard library only (its own keep-alive HTTP/1.1 client: a fraction of aiohttp's
+# CPU per request); a --tokenizer needs the `tokenizers` package there (SGLang's environment has it).
 #
 # Per level: warmup requests (excluded), /flush_cache, then the measured requests: at fixed
 # concurrency (request rate inf), or arriving as a Poisson/gamma process at --request-rate under
@@ -114,6 +114,135 @@ def make_requests(spec, n, seed, tok=None):
     return [dict(usable[i % len(usable)]) for i in range(n)]
 
 
+# ---------------------------------------------------------------------------------- HTTP
+
+class HttpError(Exception):
+    pass
+
+
+class Pool:
+    """Keep-alive HTTP/1.1 connections to one server (asyncio streams; no aiohttp): a request
+    takes an idle connection or opens one, and gives it back after a complete response."""
+
+    def __init__(self, base):
+        hostport = base.split("://", 1)[-1].split("/", 1)[0]
+        self.host, _, port = hostport.rpartition(":")
+        self.port = int(port)
+        self.idle = []
+        self.opened = 0
+
+    async def _get(self):
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn[1].is_closing():
+                return conn, True
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, limit=1 << 20), 10)
+        self.opened += 1
+        return (reader, writer), False
+
+    def close(self):
+        for _r, w in self.idle:
+            w.close()
+        self.idle = []
+
+    async def stream(self, method, path, body=b"", headers=None):
+        """Yields (status, None) once, then the body's pieces as they arrive."""
+        head = "%s %s HTTP/1.1\r\nHost: %s:%d\r\nAccept: */*\r\n" % (method, path, self.host, self.port)
+        if body or method == "POST":
+            head += "Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        for k, v in (headers or {}).items():
+            head += "%s: %s\r\n" % (k, v)
+        data = head.encode("latin-1") + b"\r\n" + body
+        for attempt in (0, 1):
+            (reader, writer), reused = await self._get()
+            writer.write(data)
+            try:
+                status_line = await asyncio.wait_for(reader.readline(), 600)
+            except (ConnectionError, OSError):
+                status_line = b""
+            if status_line or not reused or attempt:
+                break
+            writer.close()  # the server closed an idle keep-alive connection: retry on a new one
+        if not status_line:
+            writer.close()
+            raise HttpError("server closed the connection")
+        try:
+            status = int(status_line.split(None, 2)[1])
+        except (IndexError, ValueError):
+            writer.close()
+            raise HttpError("bad status line %r" % status_line[:80])
+        length, chunked, keep = None, False, not status_line.startswith(b"HTTP/1.0")
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value.strip())
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+            elif name == b"connection":
+                keep = b"close" not in value.lower()
+        yield status, None
+        complete = False
+        try:
+            if chunked:
+                while True:
+                    size = int((await reader.readline()).split(b";", 1)[0], 16)
+                    if size == 0:
+                        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                            pass
+                        break
+                    piece = await reader.readexactly(size + 2)
+                    yield piece[:-2]
+            elif length is not None:
+                left = length
+                while left > 0:
+                    piece = await reader.read(min(left, 1 << 16))
+                    if not piece:
+                        raise HttpError("connection closed %d bytes before the end of the response" % left)
+                    left -= len(piece)
+                    yield piece
+            else:
+                keep = False
+                while True:
+                    piece = await reader.read(1 << 16)
+                    if not piece:
+                        break
+                    yield piece
+            complete = True
+        except asyncio.IncompleteReadError:
+            raise HttpError("connection closed mid-response")
+        finally:
+            if complete and keep:
+                self.idle.append((reader, writer))
+            else:
+                writer.close()
+
+    async def request(self, method, path, body=b"", timeout=30.0):
+        """(status, body bytes) of a small request."""
+        async def go():
+            chunks, status = [], None
+            async for st, piece in _pairs(self.stream(method, path, body)):
+                if piece is None:
+                    status = st
+                else:
+                    chunks.append(piece)
+            return status, b"".join(chunks)
+        return await asyncio.wait_for(go(), timeout)
+
+
+async def _pairs(gen):
+    status = None
+    async for item in gen:
+        if isinstance(item, tuple):
+            status = item[0]
+            yield status, None
+        else:
+            yield status, item
+
+
 # ---------------------------------------------------------------------------------- requests
 
 def new_record(req):
@@ -132,19 +261,24 @@ async def one_completion(session, url, req, model, rec):
     chunks = 0
     usage = None
     start = time.perf_counter()
-    rec["start"] = start
-    rec["client_s"] += start - t0
     last = None
     try:
-        async with session.post(url, json=payload) as resp:
-            if resp.status != 200:
-                body = (await resp.text())[:300]
-                rec["error"] = "HTTP %d: %s" % (resp.status, body.strip())
-                return rec
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                t_chunk = time.perf_counter()
+        body = json.dumps(payload).encode()
+        start = time.perf_counter()
+        rec["start"] = start
+        rec["client_s"] += start - t0
+        status = None
+        buf = b""
+        async for chunk in session.stream("POST", url, body):
+            if status is None:
+                status = chunk[0]
+                continue
+            t_chunk = time.perf_counter()
+            if status != 200:
                 buf += chunk
+                continue
+            buf += chunk
+            if True:
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     for line in event.split(b"\n"):
@@ -169,8 +303,11 @@ async def one_completion(session, url, req, model, rec):
                                 chunks += 1
                         elif obj.get("error") or obj.get("object") == "error":
                             rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
-                rec["client_s"] += time.perf_counter() - t_chunk
+            rec["client_s"] += time.perf_counter() - t_chunk
         rec["latency"] = time.perf_counter() - start
+        if status != 200:
+            rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
+            return rec
     except Exception as exc:  # connection refused/reset: the server went away
         rec["error"] = "%s: %s" % (type(exc).__name__, exc)
         return rec
@@ -196,21 +333,25 @@ async def one_generate(session, url, req, model, rec):
                "sampling_params": {"max_new_tokens": req["output_len"], "temperature": 0.0, "ignore_eos": True}}
     itl = rec["itl"]
     start = time.perf_counter()
-    rec["start"] = start
-    rec["client_s"] += start - t0
     last = None
     out_len = 0
     generated = ""
     try:
-        async with session.post(url, json=payload) as resp:
-            if resp.status != 200:
-                body = (await resp.text())[:300]
-                rec["error"] = "HTTP %d: %s" % (resp.status, body.strip())
-                return rec
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                t_chunk = time.perf_counter()
-                buf += chunk
+        body = json.dumps(payload).encode()
+        start = time.perf_counter()
+        rec["start"] = start
+        rec["client_s"] += start - t0
+        status = None
+        buf = b""
+        async for chunk in session.stream("POST", url, body):
+            if status is None:
+                status = chunk[0]
+                continue
+            t_chunk = time.perf_counter()
+            buf += chunk
+            if status != 200:
+                continue
+            if True:
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     for line in event.split(b"\n"):
@@ -236,8 +377,11 @@ async def one_generate(session, url, req, model, rec):
                             rec["server_prompt_tokens"] = meta.get("prompt_tokens")
                         elif obj.get("error"):
                             rec["error"] = "server error in stream: %s" % str(obj["error"])[:300]
-                rec["client_s"] += time.perf_counter() - t_chunk
+            rec["client_s"] += time.perf_counter() - t_chunk
         rec["latency"] = time.perf_counter() - start
+        if status != 200:
+            rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
+            return rec
     except Exception as exc:
         rec["error"] = "%s: %s" % (type(exc).__name__, exc)
         return rec
@@ -506,9 +650,8 @@ class GpuSampler:
 class ServerMonitor:
     """/metrics before, during (at 0.25 s, then every second) and after a level."""
 
-    def __init__(self, session, base):
-        self.session = session
-        self.url = base + "/metrics"
+    def __init__(self, base):
+        self.pool = Pool(base)
         self.series = []
         self.error = None
         self.first = self.last = None
@@ -516,13 +659,12 @@ class ServerMonitor:
         self._task = None
 
     async def scrape(self):
-        import aiohttp
         try:
-            async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status != 200:
-                    self.error = "/metrics: HTTP %d" % resp.status
-                    return None
-                return parse_prom(await resp.text())
+            status, body = await self.pool.request("GET", "/metrics", timeout=5)
+            if status != 200:
+                self.error = "/metrics: HTTP %d" % status
+                return None
+            return parse_prom(body.decode("utf-8", "replace"))
         except Exception as exc:
             self.error = "/metrics: %s: %s" % (type(exc).__name__, exc)
             return None
@@ -555,6 +697,7 @@ class ServerMonitor:
         self.last = await self.scrape()
         if self.last:
             self._sample(self.last)
+        self.pool.close()
         return self.report()
 
     def report(self):
@@ -578,23 +721,20 @@ class ServerMonitor:
         return out
 
 
-async def flush_cache(session, base, wait=FLUSH_TIMEOUT_S):
-    import aiohttp
+async def flush_cache(pool, wait=FLUSH_TIMEOUT_S):
     try:
-        async with session.post(base + "/flush_cache", params={"timeout": str(wait)},
-                                timeout=aiohttp.ClientTimeout(total=wait + 10)) as resp:
-            text = (await resp.text()).strip()
-            return {"requested": True, "ok": resp.status == 200, "status": resp.status, "message": text[:300]}
+        status, body = await pool.request("POST", "/flush_cache?timeout=%g" % wait, timeout=wait + 10)
+        text = body.decode("utf-8", "replace").strip()
+        return {"requested": True, "ok": status == 200, "status": status, "message": text[:300]}
     except Exception as exc:
         return {"requested": True, "ok": False, "status": None, "message": "%s: %s" % (type(exc).__name__, exc)}
 
 
-async def get_json(session, url):
-    import aiohttp
+async def get_json(pool, path):
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status == 200:
-                return await resp.json(content_type=None)
+        status, body = await pool.request("GET", path, timeout=5)
+        if status == 200:
+            return json.loads(body)
     except Exception:
         pass
     return None
@@ -619,15 +759,13 @@ async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/comp
                     burstiness=1.0, seed=0, warmup=0, flush=False, progress=None, monitor=True,
                     flush_timeout=FLUSH_TIMEOUT_S):
     """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry."""
-    import aiohttp
     call = one_generate if endpoint == "/generate" else one_completion
-    url = base + endpoint
+    url = endpoint
     records = [None] * len(reqs)
     info = {"warmup": {"requests": warmup}}
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
     done = [0]
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    session = Pool(base)
+    if True:
         if warmup:
             first = dict(reqs[0], output_len=min(reqs[0]["output_len"], 32))
             sem = asyncio.Semaphore(concurrency)
@@ -644,9 +782,9 @@ async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/comp
                     records[i] = new_record(req)
                     records[i]["error"] = "not sent: warmup failed: %s" % outs[0]["error"]
                 return records, 0.0, info
-        info["flush_cache"] = (await flush_cache(session, base, flush_timeout)) if flush else {"requested": False}
+        info["flush_cache"] = (await flush_cache(session, flush_timeout)) if flush else {"requested": False}
         gpu = GpuSampler() if monitor else None
-        mon = ServerMonitor(session, base) if monitor else None
+        mon = ServerMonitor(base) if monitor else None
         if mon:
             await mon.start()
         offsets = arrival_offsets(len(reqs), rate, burstiness, random.Random(seed * 7919 + 17))
@@ -690,6 +828,8 @@ async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/comp
             info["server_metrics"] = await mon.stop()
         if gpu:
             info["gpu"] = gpu.stop()
+        info["connections_opened"] = session.opened
+        session.close()
     for i, r in enumerate(records):
         if r is None:
             records[i] = new_record(reqs[i])
@@ -732,7 +872,12 @@ def servops_block(records, duration, info, level, repeat, spec, tok_path):
 
 def bench(base, args, emit, progress=None):
     """Run every level (x repeats); emit(record) per finished run. Returns a stop reason or None."""
-    tok = Tokenizer(args["tokenizer"]) if args.get("tokenizer") else None
+    tok = None
+    if args.get("tokenizer"):
+        try:
+            tok = Tokenizer(args["tokenizer"])
+        except Exception as exc:  # tokenizers raises its own Exception type
+            raise ValueError("--tokenizer %s: cannot load a Hugging Face tokenizer there: %s" % (args["tokenizer"], exc))
     spec = args.get("dataset") or {"kind": "random"}
     spec = dict(spec, input_len=args.get("input_len", 128), output_len=args.get("output_len", 128),
                 range_ratio=args.get("range_ratio", 1.0))
@@ -778,9 +923,9 @@ def bench(base, args, emit, progress=None):
 
 
 async def _setup(base):
-    import aiohttp
-    async with aiohttp.ClientSession() as session:
-        info = await get_json(session, base + "/server_info")
+    pool = Pool(base)
+    info = await get_json(pool, "/server_info")
+    pool.close()
     version = None
     try:
         meta = find_dist("sglang")  # noqa: F821 - from _common
@@ -804,10 +949,6 @@ if __name__ == "__main__":
         sys.stdout.write(json.dumps({"progress": "level", "record": line}) + "\n")
         sys.stdout.flush()
 
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        fail("the load generator needs aiohttp in the host's python (%s)" % sys.executable)  # noqa: F821
     if ARGS.get("tokenizer"):  # noqa: F821
         try:
             import tokenizers  # noqa: F401

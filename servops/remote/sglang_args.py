@@ -768,6 +768,22 @@ def _jsonable(value):
     return str(value)
 
 
+# argparse dests that ServerArgs.from_cli_args renames (sglang <= 0.5.13 spelled these flags out)
+_FROM_CLI = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+             "data_parallel_size": "dp_size", "expert_parallel_size": "ep_size",
+             "attention_context_parallel_size": "attn_cp_size", "moe_data_parallel_size": "moe_dp_size"}
+
+
+def as_server_args(values):
+    """Parsed namespace values under ServerArgs' field names, as from_cli_args renames them."""
+    out = dict(values)
+    for src, dst in _FROM_CLI.items():
+        if src in out:
+            value = out.pop(src)
+            out.setdefault(dst, value)
+    return out
+
+
 def validate(parser, argv, version=None, keep=None):
     """Parse `argv` with `parser` as sglang would, without exiting.
 
@@ -856,7 +872,7 @@ def validate(parser, argv, version=None, keep=None):
         warnings.append({"flag": "--config", "kind": "config", "message": "flags inside the config file were not checked"})
     values = {}
     if namespace is not None:
-        for key, value in vars(namespace).items():
+        for key, value in as_server_args(vars(namespace)).items():
             if keep is None or key in keep:
                 values[key] = _jsonable(value)
     seen = set()
@@ -868,3 +884,52 @@ def validate(parser, argv, version=None, keep=None):
             unique.append(p)
     return {"ok": not unique and namespace is not None, "problems": unique, "warnings": warnings,
             "values": values, "logged": capture.lines[-20:]}
+
+
+# ----------------------------------------------------------------------- the HTTP server's shape
+
+def http_server_shape(pkg_dir=None):
+    """What this release's HTTP server serves, read from its source (for the test double):
+    {"routes": {path: [methods]}, "server_info_keys": [top-level keys /server_info adds to the
+    server args], "model_info_keys": [keys of /model_info]}."""
+    pkg_dir = pkg_dir or sglang_package()
+    src = _Source(pkg_dir) if pkg_dir else None
+    tree = src.tree("sglang.srt.entrypoints.http_server") if src else None
+    routes, keys, model_keys = {}, set(), []
+    if tree is None:
+        return {"routes": routes, "server_info_keys": [], "model_info_keys": []}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for dec in node.decorator_list:
+            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.args
+                    and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str)):
+                continue
+            verb = dec.func.attr
+            if verb == "api_route":
+                methods = next((src.value("sglang.srt.entrypoints.http_server", k.value)
+                                for k in dec.keywords if k.arg == "methods"), ["GET"])
+            elif verb in ("get", "post", "put", "delete"):
+                methods = [verb.upper()]
+            else:
+                continue
+            routes.setdefault(dec.args[0].value, []).extend(m for m in methods)
+        if node.name == "model_info":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Dict):
+                    model_keys.extend(k.value for k in sub.keys if isinstance(k, ast.Constant)
+                                      and isinstance(k.value, str) and k.value not in model_keys)
+        if node.name == "server_info":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Dict):
+                    keys.update(k.value for k in sub.keys if isinstance(k, ast.Constant) and isinstance(k.value, str))
+                if isinstance(sub, ast.Call) and _dotted(sub.func).split(".")[-1] == "build_server_info":
+                    common = src.tree("sglang.srt.utils.common")
+                    for fn in (common.body if common else []):
+                        if isinstance(fn, ast.FunctionDef) and fn.name == "build_server_info":
+                            for s in ast.walk(fn):
+                                if isinstance(s, ast.Subscript) and isinstance(s.ctx, ast.Store):
+                                    sl = s.slice.value if hasattr(ast, "Index") and isinstance(s.slice, getattr(ast, "Index")) else s.slice
+                                    if isinstance(sl, ast.Constant) and isinstance(sl.value, str):
+                                        keys.add(sl.value)
+    return {"routes": routes, "server_info_keys": sorted(keys), "model_info_keys": model_keys}

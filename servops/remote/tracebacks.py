@@ -111,7 +111,7 @@ class _Stream(object):
         return self.lines[i].text
 
     # -- Python tracebacks -------------------------------------------------------------
-    def frames(self, i, user=False):
+    def frames(self, i):
         """Frames from line i on (with their source lines); returns (frames, next i)."""
         frames = []
         while i < self.n:
@@ -181,7 +181,7 @@ class _Stream(object):
                     or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
             if _USER_CODE.match(t):
-                frames, i = self.frames(i + 1, user=True)
+                frames, i = self.frames(i + 1)
                 exc["user_frames"].extend(frames)
                 continue
             if not s:
@@ -226,6 +226,14 @@ class _Stream(object):
         item = {"kind": "abort", "type": m.group("type") or m.group(0), "what": "", "raised_from": None,
                 "cxx_frames": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
         i += 1
+        # ranks aborting at once interleave their `terminate called` lines: find the what()
+        for j in range(i, min(self.n, i + 8)):
+            t = self.text(j)
+            if _WHAT.match(t):
+                i = j
+                break
+            if _TB_START.search(t) or _FRAME.match(t) or _FATAL.search(t) or _RAISED_FROM.search(t):
+                break
         what = []
         if i < self.n and _WHAT.match(self.text(i)):
             what.append(_WHAT.match(self.text(i)).group("msg").strip())

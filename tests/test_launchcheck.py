@@ -1,0 +1,79 @@
+"""`invoke check` over real sshd on the plain lab venv (no sglang: the double is the server)."""
+
+import json
+import socket
+import time
+
+from servops.lab.sshd import free_port
+from conftest import playbooks_with, run_invoke
+
+
+def test_check_without_sglang_says_so_and_passes(lab):
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port()}})
+    res = run_invoke("check", "--variant", "piecewise", "-H", "lab1", inventory=inv)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "launch check of piecewise" in out and "sglang" in out and "not installed" in out
+    assert "nothing to check against; sglang_double parses its own flags" in out
+    assert "/models/GLM-5-NVFP4: MISSING (not needed by sglang_double)" in out
+    assert "--enable-piecewise-cuda-graph" in out  # no sglang: no rule applies, the variant as written
+    assert "round trip" in out and "1 SSH command" in out
+    assert "lab1 : ok - no sglang on the host: flags not checked (sglang_double); facts ok in" in out
+
+
+def test_check_json_and_a_busy_port_is_refused_in_one_line(lab, tmp_path):
+    port = free_port()
+    inv = lab.inventory(host_vars={"lab1": {"server_port": port}})
+    res = run_invoke("check", "--variant", "baseline", "--json", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["sglang_version"] is None and data["parser"] is None and data["ok"] is True
+    assert data["facts"]["port"] == {"port": port, "state": "free"} and data["facts"]["gpus_needed"] == 8
+    assert data["argv"][:2] == ["--model-path", "/models/GLM-5-NVFP4"] and data["elapsed_s"] > 0
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        s.listen()
+        res = run_invoke("check", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 2
+    line = [l for l in res.stderr.splitlines() if l.startswith("lab1")]
+    assert line == [f"lab1 : failed - refused: port {port} is already in use "
+                    f"by a process servops did not start; free it or change server_port"]
+    assert "PROBLEM" in res.stdout
+
+
+def test_one_round_trip_and_the_time_it_takes(lab):
+    from servops.inventory import load_inventory
+    from servops.launchcheck import check_variant
+    from servops.playbooks import load_variant
+    from servops.transport import Session
+
+    inv = load_inventory(lab.inventory(host_vars={"lab1": {"server_port": free_port()}}))
+    with Session(inv) as s:
+        hs = s.host(inv.hosts["lab1"])
+        hs.connection.open()
+        started = time.monotonic()
+        check = check_variant(hs, load_variant("piecewise"), deploy_root=str(lab.tmp / "deploy-lab1"))
+        took = time.monotonic() - started
+    assert hs.round_trips == 1 and check.ok and check.sglang_version is None
+    assert 0 < check.elapsed_s <= took
+    print(f"launch check round trip (lab, no sglang): {check.elapsed_s:.3f}s")
+
+
+def test_gpu_count_is_checked_against_tp_where_nvidia_smi_exists(lab, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA B200 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    # a real server module (not the double) on this host: GPUs and the model path matter
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port(), "server_module": "mysglang.launch",
+                                            "model_path": str(tmp_path)}},
+                        group_vars={"env": {"PATH": f"{fake}:/usr/bin:/bin", "CUDA_HOME": "/tmp"}})
+    res = run_invoke("check", "--variant", "baseline", inventory=inv)
+    assert res.returncode == 2, res.stdout
+    assert "needs 8 GPUs (tp x pp per node), nvidia-smi shows 4" in res.stderr + res.stdout
+    assert "8 needed; nvidia-smi shows 4" in res.stdout
+    books = playbooks_with(tmp_path, tp4="extends: baseline\nserver_args: {tp: 4}\n")
+    res = run_invoke("check", "--variant", "tp4", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,241 @@
+"""Launch preflight without a host: `when:` rules, sglang's parser read from source, argv verdicts."""
+
+import textwrap
+
+import pytest
+
+from servops.inventory import parse_inventory
+from servops.launchcheck import LaunchCheck, LaunchRefused, _problem_lines, raise_if_refused
+from servops.playbooks import VariantError, load_variant, resolve, when_branches
+from servops.remote import sglang_args as sa
+from servops.render import render_launch
+
+HOST = parse_inventory("all: {hosts: {h1: {venv: /opt/v, server_port: 30000, model_path: /m, tp: 8}}}",
+                       "inv.yml").hosts["h1"]
+
+
+def books(tmp_path, **files):
+    for name, text in files.items():
+        (tmp_path / f"{name}.yml").write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+# ------------------------------------------------------------------------------------ when:
+
+def test_shipped_variants_map_intent_per_release():
+    base, pw = load_variant("baseline"), load_variant("piecewise")
+    argv = lambda v, ver: render_launch(HOST, resolve(v, ver)[0]).argv  # noqa: E731
+    assert "--cuda-graph-max-bs" in argv(base, "0.5.9") and "--cuda-graph-backend-prefill" not in argv(base, "0.5.9")
+    a = argv(base, "0.5.23")
+    assert "--cuda-graph-max-bs" not in a and a[a.index("--cuda-graph-max-bs-decode") + 1] == "256"
+    assert a[a.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert "--disable-piecewise-cuda-graph" in argv(base, "0.5.12")
+    assert "--enable-piecewise-cuda-graph" in argv(pw, "0.5.9")
+    assert "--enforce-piecewise-cuda-graph" in argv(pw, "0.5.12") and "--disable-piecewise-cuda-graph" not in argv(pw, "0.5.12")
+    for ver, backend in (("0.5.15", "tc_piecewise"), ("0.5.21", "tc_piecewise"), ("0.5.23", "breakable")):
+        a = argv(pw, ver)
+        assert "--enable-piecewise-cuda-graph" not in a and a[a.index("--cuda-graph-backend-prefill") + 1] == backend
+    # no sglang on the host (the lab's double): the variant as written
+    resolved, rules = resolve(pw, None)
+    assert rules == [] and resolved["server_args"]["enable-piecewise-cuda-graph"] is True
+    _, rules = resolve(pw, "0.5.23")
+    assert rules == ["baseline.yml when sglang >=0.5.14: -cuda-graph-max-bs +cuda-graph-max-bs-decode=256 "
+                     "+cuda-graph-backend-prefill=disabled (per-phase CUDA graph flags; prefill graph off as on 0.5.9)",
+                     "piecewise.yml when sglang >=0.5.22: -enable-piecewise-cuda-graph "
+                     "+cuda-graph-backend-prefill=breakable (tc_piecewise removed; the breakable prefill graph replaces it)"]
+
+
+def test_rules_merge_like_extends_in_order_child_last(tmp_path):
+    root = books(tmp_path, a="""
+        server_args: {x: 1, y: 2}
+        env: {A: '1'}
+        when:
+          - sglang: ">=1.0"
+            server_args: {y: null, z: 3}
+            env: {B: '2'}
+        """, b="""
+        extends: a
+        when:
+          - sglang: ">=1.0,<2"
+            note: child wins
+            server_args: {z: 4}
+            health: {timeout: 5}
+        """)
+    v = load_variant("b", root)
+    assert [r["source"] for r in v["when"]] == ["a", "b"]
+    r, rules = resolve(v, "1.5")
+    assert r["server_args"] == {"x": 1, "z": 4} and r["env"] == {"A": "1", "B": "2"}
+    assert r["health"]["timeout"] == 5 and r["when"] == []
+    assert rules[1] == "b.yml when sglang >=1.0,<2: +z=4 +health.timeout=5 (child wins)"
+    assert resolve(v, "2.0")[0]["server_args"] == {"x": 1, "z": 3}
+    assert resolve(v, "0.9")[0]["server_args"] == {"x": 1, "y": 2}
+    assert resolve(r, "1.5")[0] == r  # resolving twice changes nothing
+    # prereleases of the host's sglang match like any version
+    assert resolve(v, "1.0.1rc1")[0]["server_args"]["z"] == 4
+
+
+def test_branches_cover_every_combination_a_version_can_select():
+    v = load_variant("piecewise")
+    keys = {k for k, _ex in when_branches(v)}
+    wanted = set()
+    for ver in ("0.5.9", "0.5.10", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.21", "0.5.22rc0", "0.5.22", "0.5.23",
+                "0.6.0", "1.0", "0.5.14.dev0", "0.4.0"):
+        from servops.playbooks import matching_rules
+        wanted.add(tuple(matching_rules(v, ver)))
+    assert wanted <= keys and ((), None) in when_branches(v)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("when: {sglang: '>=1'}\n", r"'when' must be a list"),
+    ("when: [{sglang: '>=0.5.x', server_args: {a: 1}}]\n",
+     r"when\[0\]\.sglang: '>=0\.5\.x' is not a PEP 440 version specifier"),
+    ("when: [{server_args: {a: 1}}]\n", r"when\[0\]\.sglang: give a PEP 440 version specifier"),
+    ("when: [{sglang: '>=1', server_arg: {a: 1}}]\n", r"when\[0\]: unknown key 'server_arg'"),
+    ("when: [{sglang: '>=1'}]\n", r"when\[0\]: sets nothing"),
+    ("when: [{sglang: '>=1', server_args: [a]}]\n", r"when\[0\]\.server_args: must be a mapping"),
+])
+def test_bad_rules_are_one_line_naming_file_and_key(tmp_path, text, msg):
+    root = books(tmp_path, bad=text)
+    with pytest.raises(VariantError, match=msg) as err:
+        load_variant("bad", root)
+    assert "bad.yml" in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------- sglang's parser, from source
+
+FAKE = {
+    "sglang/__init__.py": "",
+    "sglang/version.py": "__version__ = '9.9.9'\n",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/choices.py": """
+        BACKENDS = ["auto", "flashinfer"]
+
+        class Backend:
+            FULL = "full"
+            BREAKABLE = "breakable"
+            DISABLED = "disabled"
+            ALL = (FULL, BREAKABLE, DISABLED)
+        """,
+    "sglang/srt/actions.py": """
+        import argparse
+
+        class DeprecatedStoreTrueAction(argparse.Action):
+            def __init__(self, option_strings, dest, new_flag=None, nargs=0, const=True, default=False, **kw):
+                super().__init__(option_strings, dest, nargs=nargs, const=const, default=default, **kw)
+
+        class DeprecatedAliasStoreAction(argparse.Action):
+            def __init__(self, option_strings, dest, new_flag=None, **kw):
+                super().__init__(option_strings, dest, **kw)
+        """,
+    "sglang/srt/fields.py": """
+        import msgspec
+        from sglang.srt.arg_utils import A, Arg
+
+        class Graph(msgspec.Struct):
+            _NS_PATH = "exec.graph"
+            cuda_graph_max_bs_decode: A[Optional[int], "decode max bs"] = None
+            cuda_graph_max_bs_prefill: A[Optional[int], "prefill max bs"] = None
+            bs_list: A[Optional[List[int]], "sizes"] = None
+        """,
+    "sglang/srt/server_args.py": """
+        import argparse
+        from sglang.srt.arg_utils import A, Arg, add_cli_args_from_dataclass
+        from sglang.srt.choices import BACKENDS, Backend
+        from sglang.srt.actions import DeprecatedAliasStoreAction, DeprecatedStoreTrueAction
+        from sglang.srt.fields import Graph
+
+        EXTRA = ["x", "y"]
+
+        class ServerArgs:
+            model_path: A[str, Arg(help="p", aliases=["--model"])]
+            tp_size: A[int, Arg(help="tp", cli_name="--tensor-parallel-size", aliases=["--tp-size"])] = 1
+            backend: A[Optional[Literal["full", "breakable"]], Arg(help="b", choices=Backend.ALL)] = None
+            flag: A[bool, "f"] = False
+            hidden: A[bool, Arg(no_cli=True)] = False
+            mode: A[str, Arg(help="m", choices=BACKENDS + EXTRA)] = "auto"
+            ratio: A[float, "r"] = 0.5
+            plain: int = 3
+
+            @staticmethod
+            def add_cli_args(parser):
+                add_cli_args_from_dataclass(parser, ServerArgs)
+                parser.add_argument("--old-flag", action=DeprecatedStoreTrueAction, new_flag="--flag")
+                parser.add_argument("--old-max-bs", type=int, action=DeprecatedAliasStoreAction,
+                                    dest="cuda_graph_max_bs_decode", new_flag="--cuda-graph-max-bs-decode")
+                parser.add_argument("--port", type=int, default=30000)
+                parser.add_argument("--dyn", choices=compute_choices())
+
+        _INPUT_NAMESPACES = [Graph]
+
+        def prepare_server_args(argv):
+            parser = argparse.ArgumentParser(prog="sglang serve")
+            ServerArgs.add_cli_args(parser)
+            return parser.parse_args(argv)
+        """,
+}
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    for rel, text in FAKE.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(tmp_path / "sglang")
+
+
+def test_static_parser_reads_fields_add_argument_calls_and_constants(fake_sglang):
+    p = sa.static_parser(fake_sglang)
+    assert p.prog == "sglang serve" and sa.launcher_prog(fake_sglang) == "sglang serve"
+    table = p._option_string_actions
+    assert {"--model-path", "--model", "--tensor-parallel-size", "--tp-size", "--backend", "--flag", "--mode",
+            "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--bs-list", "--old-flag", "--old-max-bs",
+            "--port", "--dyn", "--ratio"} <= set(table)
+    assert "--hidden" not in table and "--plain" not in table
+    assert table["--tp-size"].dest == "tp_size" and table["--model"].required
+    assert list(table["--backend"].choices) == ["full", "breakable", "disabled"]  # Backend.ALL, through the import
+    assert list(table["--mode"].choices) == ["auto", "flashinfer", "x", "y"]
+    assert table["--bs-list"].nargs == "+" and table["--old-flag"].nargs == 0 and table["--flag"].nargs == 0
+    assert table["--dyn"].choices is None and "--dyn" in p.servops_unchecked
+
+
+def test_verdicts_name_the_flag_and_the_closest_valid_ones(fake_sglang):
+    p = sa.static_parser(fake_sglang)
+    ok = sa.validate(p, ["--model-path", "/m", "--tp-size", "8", "--cuda-graph-max-bs-decode", "256"], "9.9.9")
+    assert ok["ok"] and ok["values"]["tp_size"] == 8 and ok["problems"] == []
+    res = sa.validate(p, ["--model-path", "/m", "--cuda-graph-max-bz", "256", "--cuda-graph-max-bs", "8",
+                          "--backend", "tc_piecewise", "--ratio", "x", "--old-flag", "--tp", "8"], "9.9.9")
+    assert not res["ok"]
+    by_flag = {q["flag"]: q for q in res["problems"]}
+    assert by_flag["--cuda-graph-max-bz"]["kind"] == "unrecognized"
+    assert by_flag["--cuda-graph-max-bz"]["suggestions"][:2] == ["--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill"]
+    assert by_flag["--cuda-graph-max-bs"]["kind"] == "ambiguous"
+    assert by_flag["--backend"]["kind"] == "value" and "invalid choice: 'tc_piecewise'" in by_flag["--backend"]["message"]
+    assert by_flag["--ratio"]["message"] == "invalid float value: 'x'"
+    warn = {w["flag"]: w for w in res["warnings"]}
+    assert warn["--old-flag"]["kind"] == "deprecated" and "--flag" in warn["--old-flag"]["message"]
+    assert warn["--tp"]["kind"] == "abbreviation" and "--tp-size" in warn["--tp"]["message"]
+    missing = sa.validate(p, ["--tp-size", "2"], "9.9.9")
+    assert [(q["flag"], q["kind"]) for q in missing["problems"]] == [("--model-path", "required")]
+    lines = _problem_lines(res, "9.9.9", static=True)
+    assert lines == [
+        "--cuda-graph-max-bz: unrecognized on sglang 9.9.9 (static check); did you mean --cuda-graph-max-bs-decode, "
+        "--cuda-graph-max-bs-prefill?",
+        "--cuda-graph-max-bs: ambiguous on sglang 9.9.9 (static check); it could be --cuda-graph-max-bs-decode, "
+        "--cuda-graph-max-bs-prefill: spell the one you mean",
+        "--backend: invalid choice: 'tc_piecewise' (choose from 'full', 'breakable', 'disabled') on sglang 9.9.9 "
+        "(static check)",
+        "--ratio: invalid float value: 'x' on sglang 9.9.9 (static check)"]
+
+
+def test_refusal_is_one_line():
+    check = LaunchCheck(host="h1", variant_name="typo", sglang_version="0.5.23", static=False, parser="real",
+                        rules=[], variant={}, argv=[], ok=False,
+                        problems=["--cuda-graph-max-bz: unrecognized on sglang 0.5.23; did you mean x?", "second"])
+    with pytest.raises(LaunchRefused) as err:
+        raise_if_refused(check, "h1")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("h1: launch of typo refused on sglang 0.5.23: --cuda-graph-max-bz")
+    assert "(+1 more: invoke check --variant typo -H h1)" in text
+    check.ok, check.problems = True, []
+    raise_if_refused(check, "h1")

@@ -1,0 +1,90 @@
+"""`invoke metrics` on a TP8 server whose every rank reports (--enable-metrics-for-all-schedulers)."""
+
+import json
+import re
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from servops.lab.sshd import free_port
+from conftest import REPO, playbooks_with, run_invoke
+
+RANKS8 = """extends: baseline
+server_args: {enable-metrics-for-all-schedulers: true}
+env: {SGLANG_DOUBLE_TOKEN_USAGE: '0.42', SGLANG_DOUBLE_CACHE_HIT_RATE: '0.25', SGLANG_DOUBLE_RANK_SKEW: '0.01',
+      SGLANG_DOUBLE_TOKEN_DELAY: '0.05'}
+"""
+
+
+@pytest.fixture
+def ranks8(lab, tmp_path):
+    port = free_port()
+    inv = lab.inventory(host_vars={"lab1": {"server_port": port}})
+    env = {"SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, ranks8=RANKS8))}
+    res = run_invoke("deploy", "--variant", "ranks8", inventory=inv, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    yield inv, port
+    run_invoke("stop", "--grace", "2", inventory=inv)
+
+
+def busy(port: int, n: int, tokens: int) -> list[threading.Thread]:
+    def one():
+        body = json.dumps({"prompt": "hello there", "max_tokens": tokens}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=60).read()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_eight_ranks_report_the_true_values(ranks8):
+    inv, port = ranks8
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    running = [l for l in text.splitlines() if l.startswith("sglang:num_running_reqs{")]
+    assert len(running) == 8 and {f'tp_rank="{i}"' in " ".join(running) for i in range(8)} == {True}
+    threads = busy(port, 5, 80)  # 5 requests, ~4 s each
+    time.sleep(1.0)
+    res = run_invoke("metrics", "--json", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)[0]
+    assert row["ranks"] == 8 and row["running"] == 5          # not 40: the 8 ranks run one batch
+    assert row["token_usage"] == pytest.approx(0.455)         # the mean, not a sum of 8 (3.64)
+    assert row["token_usage_max"] == pytest.approx(0.49) and row["cache_hit_rate"] == pytest.approx(0.285)  # 0.25 + skew
+    assert row["gauges"]["token_usage"]["per_rank"]["tp7"] == pytest.approx(0.49)
+    res = run_invoke("metrics", inventory=inv)
+    assert "45.5% (max 49.0%)" in res.stdout and "per-rank spread" in res.stdout
+    for t in threads:
+        t.join(30)
+
+
+def test_watch_shows_windowed_quantiles_next_to_the_since_start_ones(ranks8):
+    inv, port = ranks8
+    for t in busy(port, 3, 4):  # some history before the watch starts
+        t.join(30)
+    env = dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1", COLUMNS="250", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "metrics", "--watch", "1"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        busy(port, 4, 20)
+        deadline = time.time() + 60
+        while time.time() < deadline and sum("server metrics" in l for l in lines) < 3:
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    out = "".join(lines)
+    assert sum("server metrics" in l for l in lines) >= 3, out
+    first, later = out.split("server metrics")[1], out.split("server metrics")[2]
+    assert "last" not in first.splitlines()[1]          # one scrape: no window yet
+    header = next(l for l in later.splitlines() if "TTFT" in l)
+    assert "TTFT p50/p90/p99 ms" in header and re.search(r"TTFT last [\d.]+s", header) and "req/s" in header

@@ -1,0 +1,283 @@
+"""The launch preflight, the version-aware variants and the double against REAL sglang releases.
+
+Each release runs from a cached venv holding the real `sglang==X` wheel (servops/lab/venvs.py
+build_sglang_venv). sglang 0.5.23's real parser imports there (on the base venv's CPU torch, plus
+triton and a few small packages). 0.5.9 and 0.5.15 import torchvision at module level, and PyPI's
+torchvision only loads beside its own CUDA torch (5.5 GB): by default THOSE TWO RELEASES ARE CHECKED
+THROUGH THE STATIC PATH (their parser rebuilt from their own server_args source), which
+test_static_parser_matches_the_real_one shows to give the same flags as the real parser wherever
+that parser imports. SERVOPS_TEST_SGLANG_PARSER=real builds the CUDA torch layer and runs every
+release through its real parser.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servops.lab.sshd import free_port
+from servops.playbooks import load_variant, resolve
+from conftest import REPO, playbooks_with, run_invoke
+
+RELEASES = ["0.5.9", "0.5.15", "0.5.23"]
+DOUBLE = REPO / "servops" / "lab" / "sglang_double.py"
+PATCH = "cuda-version-no-subprocess"
+DEPLOY_CHECKS = "launchcheck" in (REPO / "servops" / "deploy.py").read_text()
+
+
+def parser_word(env) -> str:
+    return "real" if env["real"] else "static"
+
+
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "GLM-5-NVFP4"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"]}))
+    return d
+
+
+def release_lab(lab, release, tmp_path, **extra):
+    port = free_port()
+    inv = lab.inventory(host_vars={"lab1": {"venv": str(release["venv"]), "server_port": port,
+                                            "model_path": str(model_dir(tmp_path)), **extra}})
+    return inv, port
+
+
+def resolved_books(tmp_path: Path, version: str, **more: str) -> Path:
+    """baseline and piecewise as `when:` resolves them for this release, written out flat (a deploy
+    that does not resolve rules itself launches exactly what check validated), plus test variants."""
+    books = playbooks_with(tmp_path, **more)
+    for name in ("baseline", "piecewise"):
+        v, _rules = resolve(load_variant(name), version)
+        flat = {k: v[k] for k in ("template", "server_args", "env", "patches", "health", "crash_signatures",
+                                  "stop_grace")}
+        (books / f"{name}.yml").write_text(yaml.safe_dump(flat, sort_keys=False))
+    return books
+
+
+def http(port: int, path: str):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
+            body = r.read()
+            return r.status, (json.loads(body) if body[:1] in (b"{", b"[") else body.decode())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return None, None
+
+
+def server_pid(lab) -> int:
+    return json.loads((lab.tmp / "deploy-lab1" / "server.pid").read_text())["pid"]
+
+
+def check_json(variant: str, inv, env=None) -> dict:
+    res = run_invoke("check", "--variant", variant, "--json", inventory=inv, env=env)
+    assert res.stdout.strip(), res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_both_variants_validate_and_deploy_and_a_typo_is_refused(lab, sglang_release, tmp_path, version):
+    env = sglang_release(version)
+    inv, port = release_lab(lab, env, tmp_path)
+    for variant in ("baseline", "piecewise"):
+        res = run_invoke("check", "--variant", variant, inventory=inv)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"sglang  {version}: " in res.stdout.replace("│", " ") or f"{version}: " in res.stdout
+        assert ("real parser" if env["real"] else "STATIC check of its source") in res.stdout
+        assert f"lab1 : ok - launch ok on sglang {version}" in res.stdout
+        assert "GLM-5-NVFP4: directory" in res.stdout
+        if version != "0.5.9":
+            assert "baseline.yml when sglang >=0.5.14" in res.stdout
+    data = check_json("piecewise", inv)
+    assert data["sglang_version"] == version and data["parser"] == parser_word(env) and data["ok"]
+    if version == "0.5.23":
+        assert "--cuda-graph-backend-prefill" in data["argv"] and "breakable" in data["argv"]
+    print(f"check round trip on sglang {version} ({data['parser']}): {data['elapsed_s']:.2f}s "
+          f"(host: {data['host_timings']})")
+
+    books = resolved_books(tmp_path, version, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 256}\n")
+    benv = {"SERVOPS_PLAYBOOKS": str(books)}
+    try:
+        res = run_invoke("deploy", "--variant", "baseline", inventory=inv, env=benv)
+        assert res.returncode == 0, res.stdout + res.stderr
+        log = (lab.tmp / "deploy-lab1" / "current" / "server.log").read_text()
+        assert f"server_args (sglang {version}, {parser_word(env)} parser)" in log  # driven by the real release
+        status, info = http(port, "/server_info")
+        assert status == 200 and info["version"] == version and info["tp_size"] == 8
+        assert ("launch_command" in info) == (version == "0.5.23")
+        res = run_invoke("deploy", "--variant", "piecewise", inventory=inv, env=benv)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"patches: apply {PATCH}" in res.stdout
+        log = (lab.tmp / "deploy-lab1" / "current" / "server.log").read_text()
+        torch_compile = version != "0.5.23"  # 0.5.9 opt-in / 0.5.15 tc_piecewise; 0.5.23: breakable graphs
+        assert ("Capture piecewise cuda graph end." in log) == torch_compile
+        status, info = http(port, "/model_info")
+        assert status == 200 and info["piecewise_cuda_graph"] is torch_compile
+
+        # a typo is refused in seconds, naming the flag, the version and the closest flags; the
+        # running server is untouched
+        pid = server_pid(lab)
+        started = time.monotonic()
+        res = run_invoke("check", "--variant", "typo", inventory=inv, env=benv)
+        assert res.returncode == 2 and time.monotonic() - started < 60
+        line = [l for l in res.stderr.splitlines() if l.startswith("lab1 : failed")]
+        assert len(line) == 1 and f"--cuda-graph-max-bz: unrecognized on sglang {version}" in line[0]
+        assert ("--cuda-graph-max-bs-decode" if version != "0.5.9" else "--cuda-graph-max-bs") in line[0]
+        assert server_pid(lab) == pid and http(port, "/health")[0] == 200
+    finally:
+        run_invoke("stop", "--grace", "2", inventory=inv)
+
+
+@pytest.mark.xfail(not DEPLOY_CHECKS, reason="deploy runs the launch preflight once the lead integrates it "
+                                              "(servops/deploy.py, issue 10)", strict=False)
+@pytest.mark.parametrize("version", ["0.5.23"])
+def test_deploy_refuses_a_bad_flag_before_anything_stops(lab, sglang_release, tmp_path, version):
+    env = sglang_release(version)
+    inv, port = release_lab(lab, env, tmp_path)
+    books = playbooks_with(tmp_path, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 256}\n")
+    benv = {"SERVOPS_PLAYBOOKS": str(books)}
+    try:
+        res = run_invoke("deploy", "--variant", "baseline", inventory=inv, env=benv)  # resolves when: itself
+        assert res.returncode == 0, res.stdout + res.stderr
+        pid = server_pid(lab)
+        releases = sorted(p.name for p in (lab.tmp / "deploy-lab1" / "releases").iterdir())
+        for args in (["--dry-run"], []):
+            res = run_invoke("deploy", "--variant", "typo", *args, inventory=inv, env=benv)
+            assert res.returncode == 2
+            assert f"--cuda-graph-max-bz: unrecognized on sglang {version}" in res.stderr
+            assert "--cuda-graph-max-bs-decode" in res.stderr
+        assert server_pid(lab) == pid and http(port, "/health")[0] == 200
+        assert sorted(p.name for p in (lab.tmp / "deploy-lab1" / "releases").iterdir()) == releases
+        assert not (lab.tmp / "deploy-lab1" / "deploy.lock").exists()
+    finally:
+        run_invoke("stop", "--grace", "2", inventory=inv)
+
+
+def test_the_seed_flags_are_refused_on_0523_naming_the_version(lab, sglang_release, tmp_path):
+    env = sglang_release("0.5.23")
+    inv, _port = release_lab(lab, env, tmp_path)
+    seed = {k: v for k, v in yaml.safe_load((REPO / "playbooks" / "baseline.yml").read_text()).items() if k != "when"}
+    books = playbooks_with(tmp_path, seed=yaml.safe_dump(seed),
+                           oldpw="extends: seed\nserver_args: {enable-piecewise-cuda-graph: true}\n")
+    res = run_invoke("check", "--variant", "oldpw", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    assert res.returncode == 2
+    out = res.stdout + res.stderr
+    assert "--enable-piecewise-cuda-graph: unrecognized on sglang 0.5.23" in out
+    assert "--cuda-graph-max-bs: ambiguous on sglang 0.5.23" in out
+    assert "it could be --cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill" in out
+    assert "lab1 : failed - refused on sglang 0.5.23" in res.stderr and "(+1 more)" in res.stderr
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_static_fallback_gives_the_same_verdicts(lab, sglang_release, tmp_path, version):
+    env = sglang_release(version)
+    if not env["real"]:
+        pytest.skip(f"sglang {version}'s real parser needs CUDA torch here ({env['venv'].name}); "
+                    f"its checks are static already: SERVOPS_TEST_SGLANG_PARSER=real to compare")
+    broken = tmp_path / "broken"
+    (broken / "orjson").mkdir(parents=True)
+    (broken / "orjson" / "__init__.py").write_text("raise ImportError('orjson made to fail by the test')\n")
+    seed = {k: v for k, v in yaml.safe_load((REPO / "playbooks" / "baseline.yml").read_text()).items() if k != "when"}
+    books = playbooks_with(tmp_path, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 256}\n",
+                           seed=yaml.safe_dump(seed), oldpw="extends: seed\nserver_args: {enable-piecewise-cuda-graph: true}\n",
+                           badval="extends: baseline\nserver_args: {mem-fraction-static: lots, kv-cache-dtype: fp7}\n")
+    benv = {"SERVOPS_PLAYBOOKS": str(books)}
+    inv_real, _ = release_lab(lab, env, tmp_path)
+    real = {v: check_json(v, inv_real, benv) for v in ("baseline", "piecewise", "typo", "oldpw", "badval")}
+    inv_static, _ = release_lab(lab, env, tmp_path, env={"PYTHONPATH": str(broken), "CUDA_HOME": "/tmp"})
+    static = {v: check_json(v, inv_static, benv) for v in real}
+    for v in real:
+        assert real[v]["parser"] == "real" and static[v]["parser"] == "static"
+        assert "orjson made to fail by the test" in static[v]["note"]
+        assert real[v]["ok"] == static[v]["ok"], v
+        assert [p.replace(" (static check)", "") for p in static[v]["problems"]] == real[v]["problems"], v
+    assert real["baseline"]["ok"] and real["piecewise"]["ok"] and not real["typo"]["ok"]
+    assert not real["oldpw"]["ok"] and len(real["badval"]["problems"]) == 2
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_static_parser_matches_the_real_one(sglang_release, version):
+    env = sglang_release(version)
+    if not env["real"]:
+        pytest.skip(f"sglang {version}'s real parser needs CUDA torch here: SERVOPS_TEST_SGLANG_PARSER=real")
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(REPO / 'servops' / 'remote')!r})
+import sglang_args as sa
+real, static = sa.real_parser(), sa.static_parser()
+def table(p):
+    return {{o: [a.dest, a.nargs, a.required, sorted(map(str, a.choices)) if a.choices else None]
+             for o, a in p._option_string_actions.items()}}
+print(json.dumps([table(real), table(static), static.servops_unchecked, len(real._actions), len(static._actions)]))
+"""
+    out = subprocess.run([str(env["venv"] / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    real, static, unchecked, n_real, n_static = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(real) == set(static) and n_real == n_static
+    for opt, (dest, nargs, required, choices) in real.items():
+        s_dest, s_nargs, s_required, s_choices = static[opt]
+        assert (dest, nargs, required) == (s_dest, s_nargs, s_required), opt
+        if s_choices is not None or opt not in unchecked:
+            assert s_choices == choices or (s_choices is None and choices is None) or opt in unchecked, opt
+    print(f"sglang {version}: {n_real} parser actions, static == real ({len(unchecked)} flags with run-time choices)")
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_the_double_rejects_flags_as_sglang_does(sglang_release, tmp_path, version):
+    env = sglang_release(version)
+    py = str(env["venv"] / "bin" / "python")
+    prog = "launch_server.py" if version == "0.5.9" else "sglang serve"
+    res = subprocess.run([py, str(DOUBLE), "--model-path", str(tmp_path), "--cuda-graph-max-bz", "256"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.lstrip().startswith(f"usage: {prog} [-h]")
+    assert f"{prog}: error: unrecognized arguments: --cuda-graph-max-bz 256" in res.stderr
+    if version == "0.5.23":
+        res = subprocess.run([py, str(DOUBLE), "--model-path", str(tmp_path), "--cuda-graph-max-bs", "256"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "error: ambiguous option: --cuda-graph-max-bs could match " \
+                                       "--cuda-graph-max-bs-decode, --cuda-graph-max-bs-prefill" in res.stderr
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_the_double_serves_the_release_endpoints(sglang_release, tmp_path, version):
+    env = sglang_release(version)
+    port = free_port()
+    argv = ["--model-path", str(model_dir(tmp_path)), "--port", str(port), "--tp-size", "8"]
+    proc = subprocess.Popen([str(env["venv"] / "bin" / "python"), str(DOUBLE), *argv],
+                            env=dict(os.environ, SGLANG_DOUBLE_LOAD_TIME="1.5", SGLANG_DOUBLE_WARMUP_TIME="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert http(port, "/health") == (None, None)  # weights loading: nothing listens yet
+        deadline = time.monotonic() + 60
+        while http(port, "/model_info")[0] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http(port, "/health")[0] == 503 and http(port, "/health_generate")[0] == 503  # warming up
+        status, info = http(port, "/model_info")
+        assert status == 200 and info["model_path"].endswith("GLM-5-NVFP4")
+        assert info["model_type"] == "glm_moe_dsa" and info["architectures"] == ["GlmMoeDsaForCausalLM"]
+        assert ("served_model_name" in info) == (version == "0.5.23")
+        assert http(port, "/get_model_info")[1] == info
+        while http(port, "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http(port, "/health_generate")[0] == 200
+        status, info = http(port, "/server_info")
+        assert status == 200 and info["version"] == version and info["tp_size"] == 8 and info["status"] == "ready"
+        assert isinstance(info["internal_states"], list) and "max_total_num_tokens" in info
+        assert info.get("launch_command") == (" ".join(argv) if version == "0.5.23" else None)
+        assert ("kv_events" in info) == (version != "0.5.9")
+        assert http(port, "/get_server_info")[1]["version"] == version
+        assert http(port, "/metrics")[0] == 404  # sglang serves /metrics only with --enable-metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0]
+    assert "Endpoint '/get_model_info' is deprecated" in out
