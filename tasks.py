@@ -420,8 +420,10 @@ def stop(c, grace=0.0, dry_run=False, break_lock=False, hosts=None, inventory=No
 
 @servops_task(help={"json": "Print JSON lines for machines.", "last": "Only the last N entries (default: all)."})
 def history(c, json=False, last=0, hosts=None, inventory=None):
-    """Every change servops made to each host (deploys, rollbacks, patches, stops, guard actions), from
-    the append-only journal on the host: who, when, what, outcome."""
+    """Every change servops made to each host, from the append-only journal on the host.
+
+    Deploys, rollbacks (automatic or not, and why), patch apply/revert, stops, guard actions and
+    tune trials: who (local user and machine), when, what, and the outcome."""
     import json as jsonlib
 
     from servops import ops
@@ -506,9 +508,11 @@ def lab_down(c, hosts=None, inventory=None):
     "resume": "Continue a campaign that was interrupted: finished trials are not repeated.",
     "restart": "Start over: the campaign's earlier trials.jsonl is moved aside.",
 })
-def tune_run(c, campaign, resume=False, restart=False, hosts=None, inventory=None):
-    """Run a tuning campaign on one host: each trial deployed, benched, diagnosed when it crashes,
-    journaled here and on the host; resumable; the best (or the base) left deployed."""
+def tune_run(c, campaign, resume=False, restart=False, dry_run=False, hosts=None, inventory=None):
+    """Run a tuning campaign on one host: deploy, bench, diagnose each trial; resumable.
+
+    Every trial is journaled here and on the host; a crash whose known issue names a patch is
+    retried with it (auto_patch); the best feasible trial (or the base) is left deployed."""
     from servops import tune
     from servops.campaign import load_campaign
     from servops.errors import ServopsError
@@ -517,6 +521,13 @@ def tune_run(c, campaign, resume=False, restart=False, hosts=None, inventory=Non
     if resume and restart:
         raise ServopsError("--resume continues a campaign, --restart starts it over: choose one")
     inv, host = select_one(inventory, hosts, "tune")
+    if dry_run:
+        run = on_hosts(inventory, host.name, lambda hs: (lambda rows: (
+            CHANGED, f"would run {sum(r['state'] == 'would run' for r in rows)} trial(s) (check mode)", rows))(
+            tune.plan_campaign(hs, camp)))
+        for h, rows in run.each():
+            tune.print_plan(h.name, camp, rows)
+        return run.recap
     if restart:
         tune.archive_log(host.name, camp.name)
     run = on_hosts(inventory, host.name, lambda hs: (lambda s: (
@@ -528,8 +539,9 @@ def tune_run(c, campaign, resume=False, restart=False, hosts=None, inventory=Non
     "campaign": "Campaign name (campaigns/<name>.yml) or a path to one.",
 })
 def tune_report(c, campaign, hosts=None, inventory=None):
-    """Write a campaign's report: Markdown and a self-contained HTML page (plots embedded), from
-    results/<host>/campaigns/<name>/trials.jsonl."""
+    """Write a campaign's report: Markdown and a self-contained HTML page with embedded plots.
+
+    Read from results/<host>/campaigns/<name>/trials.jsonl only: no connection."""
     from servops import tunereport
     from servops.campaign import load_campaign
 

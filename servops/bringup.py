@@ -74,16 +74,26 @@ class LeaseKeeper:
 
 
 def stop_switch_start(nodes: list[Node], phases: Phases) -> None:
-    """Stop what runs, point `current` at each node's release, start rank 0 first."""
+    """Arm the host guard (deploys), stop what runs, point `current` at each node's release,
+    start rank 0 first. One SSH command per node for a single-node server: a controller that dies
+    mid-way leaves the host program to finish the step, and the guard to judge the result."""
+    single = len(nodes) == 1
     for n in nodes:
         grace = float(n.meta.get("stop_grace", 30))
-        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)")
-        releases.batch(n.hs, {"op": "stop", "grace": grace,
-                              "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
-                       {"op": "switch", "name": n.name}, ssh_timeout=int(grace) + 60)
-    for n in nodes:  # rank 0 first
-        phases.step("start", f"{n.hs.host.name}: starting {n.name}" + (" (guard armed)" if n.guard else ""))
-        releases.ctl(n.hs, "start", name=n.name, port=int(n.meta["port"]), guard=n.guard)
+        steps = [{"op": "arm", "name": n.name, "guard": n.guard}] if n.guard else []
+        steps += [{"op": "stop", "grace": grace, "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
+                  {"op": "switch", "name": n.name}]
+        if single:
+            steps.append({"op": "start", "name": n.name, "port": int(n.meta["port"])})
+        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)"
+                    + (", guard armed" if n.guard else ""))
+        releases.batch(n.hs, *steps, ssh_timeout=int(grace) + 60)
+        if single:
+            phases.step("start", f"{n.hs.host.name}: started {n.name}")
+    if not single:
+        for n in nodes:  # rank 0 first
+            phases.step("start", f"{n.hs.host.name}: starting {n.name}")
+            releases.ctl(n.hs, "start", name=n.name, port=int(n.meta["port"]))
 
 
 def health_gate(node: Node, phases: Phases, label: str) -> dict:

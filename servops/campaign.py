@@ -1,6 +1,7 @@
 """A tuning campaign: `campaigns/<name>.yml`, validated up front, expanded into trials.
 
     base: baseline                        # the variant every candidate is measured against
+    overrides: {env: {...}, server_args: {...}}   # applied to the base and every candidate
     candidates:
       - variant: piecewise                # a named variant (playbooks/piecewise.yml)
       - name: mem                         # a grid over the base (or `variant:`)
@@ -88,6 +89,7 @@ BENCH = {
 CAMPAIGN = {
     "description": Field("any", nullable=True),
     "base": Field("str", pattern=NAME, what="a variant name"),
+    "overrides": Field("record", fields={k: CANDIDATE[k] for k in ("server_args", "env", "patches")}),
     "candidates": Field("list", items=Field("record", fields=CANDIDATE)),
     "bench": Field("record", fields=BENCH),
     "objective": Field("record", fields={
@@ -224,7 +226,8 @@ def expand(path: Path, name: str, data: dict) -> list[Trial]:
     """Trial 'base' first, then every candidate (each grid point its own trial)."""
     from .patchstore import find_patch
 
-    base = load_variant(data["base"])
+    common = data.get("overrides") or {}
+    base = _layer(load_variant(data["base"]), common, data["base"])
     trials = [Trial("base", f"base ({data['base']})", _layer(base, {}, f"{name}-base", f"campaigns/{name}.yml trial base"))]
     seen = {"base"}
     for i, cand in enumerate(data.get("candidates") or []):
@@ -232,7 +235,7 @@ def expand(path: Path, name: str, data: dict) -> list[Trial]:
         if not any(k in cand for k in ("variant", "grid", "server_args", "env", "patches")):
             raise _fail(path, where, "give a variant, a grid, or server_args/env/patches overrides")
         src_name = cand.get("variant") or data["base"]
-        src = load_variant(src_name)
+        src = _layer(load_variant(src_name), common, src_name)
         for p in cand.get("patches") or []:
             find_patch(p)
         grid = cand.get("grid") or {}

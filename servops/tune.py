@@ -213,6 +213,19 @@ class Runner:
         self.identities[t.id] = t.identity(self.hs.host, render_launch)
         self.scripts[t.id] = launch.script
 
+    def plan(self) -> list[dict]:
+        """Check mode: every trial preflighted and deduplicated; nothing deployed or benched."""
+        self.preflight_all()
+        finished = {tid for tid, st in self.states.items() if st.done}
+        first: dict[str, str] = {}
+        rows = []
+        for t in self.trials:
+            ident = self.identities[t.id]
+            twin = first.setdefault(ident, t.id)
+            state = "done" if t.id in finished else ("duplicate of " + twin if twin != t.id else "would run")
+            rows.append({"trial": t.id, "label": t.label, "state": state, "patches": ", ".join(t.variant["patches"]) or "-"})
+        return rows
+
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> dict:
@@ -434,6 +447,20 @@ class Runner:
 
 def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False) -> dict:
     return Runner(hs, camp, resume).run()
+
+
+def plan_campaign(hs: HostSession, camp: Campaign) -> list[dict]:
+    return Runner(hs, camp, resume=True).plan()
+
+
+def print_plan(host: str, camp: Campaign, rows: list[dict]) -> None:
+    from .output import print_table, table
+
+    t = table(f"{host}: campaign {camp.name} (check mode: every launch preflighted, nothing deployed)",
+              ["trial", "setting", "patches", "state"])
+    for r in rows:
+        t.add_row(r["trial"], r["label"], r["patches"], r["state"])
+    print_table(t)
 
 
 def archive_log(host: str, name: str) -> Path | None:

@@ -211,7 +211,7 @@ def test_9_when_the_rollback_fails_too_the_line_says_the_host_is_down(hlab, tmp_
 @pytest.mark.parametrize("args,needles", [
     (["--push", "not a url"], ["--push", "Pushgateway URL"]),
     (["--gate", "output_tps@1024 >= nosuchvariant"], ["nosuchvariant"]),
-    (["--gate", "output_tps@0 >= 1"], ["must be 1 or more"]),
+    (["--gate", "output_tps@0 >= 1"], ["levels are concurrencies, 1 or more"]),
     (["--gate", ""], ["--gate is empty"]),
     (["--serial", "-1"], ["--serial", "0 or more"]),
     (["--max-fail-percentage", "abc"], ["--max-fail-percentage", "a number"]),

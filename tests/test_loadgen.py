@@ -216,3 +216,14 @@ def test_datasets(tmp_path):
     prompts.write_text('first prompt\n{"prompt": "second one here"}\n\n')
     spec = load_dataset(str(prompts))  # a path alone, as before
     assert spec["kind"] == "prompts" and [r[0] for r in spec["rows"]] == ["first prompt", "second one here"]
+
+
+def test_a_server_that_stalls_mid_stream_fails_the_request_not_the_bench(double):
+    """Tokens every 5 s, a 1 s bound per request: every request fails as stalled, and the bench ends."""
+    d = double(TOKEN_DELAY=5)
+    started = time.monotonic()
+    lines, _reply = run(d.port, requests=3, request_timeout=1)
+    assert time.monotonic() - started < 30
+    [line] = lines
+    assert line["completed"] == 0
+    assert all("the server stalled" in e for e in line["errors"]), line["errors"]

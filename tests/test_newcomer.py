@@ -168,7 +168,7 @@ def test_deploy_prints_a_phase_line_per_step_and_a_summary(lab):
         res = run_invoke("deploy", "--variant", "piecewise", inventory=inv)
         assert res.returncode == 0, res.stdout + res.stderr
         phases = re.findall(r"^lab1  \[\s*[\d.]+s\] (\w+)", res.stdout, re.M)
-        assert phases[:2] == ["preflight", "lock"] and {"upload", "patches", "stop", "start", "health", "done"} <= set(phases)
+        assert phases[:3] == ["preflight", "preflight", "lock"] and {"upload", "patches", "stop", "start", "health", "done"} <= set(phases)
         assert "Deployed " in res.stdout and "stays for `invoke rollback -H lab1`" in res.stdout
     finally:
         run_invoke("stop", "--grace", "2", inventory=inv)

@@ -104,6 +104,12 @@ def test_campaign_runs_resumes_and_reports(tune_lab, tmp_path):
     assert res.returncode == 2 and "broken.yml: objective.constraints" in res.stderr
     assert not lab.tmp.joinpath("deploy-lab1").exists()
 
+    # check mode: every launch preflighted, the duplicate found, nothing deployed
+    res = run_invoke("tune", "labcamp", "--dry-run", "-H", "lab1", inventory=inv, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "would run 5 trial(s) (check mode)" in res.stdout and "duplicate of base" in res.stdout
+    assert not lab.tmp.joinpath("deploy-lab1", "releases").exists()
+
     # run, and SIGKILL the controller in the middle of the fifth trial
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "tune", "labcamp", "-H", "lab1"], cwd=REPO,
                             env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1", **env),

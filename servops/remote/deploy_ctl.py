@@ -390,11 +390,13 @@ def start_server(name, port):
 
 
 def op_start():
-    info = start_server(ARGS["name"], ARGS.get("port"))
-    out = {"server": info}
-    if ARGS.get("guard"):
-        out["guard"] = spawn_guard(ARGS["name"], ARGS["guard"])
-    return out
+    return {"server": start_server(ARGS["name"], ARGS.get("port"))}
+
+
+def op_arm():
+    """Arm the guard BEFORE the old server stops: from then on, a controller that dies at any
+    point (mid-stop, between switch and start, in the health gate) is covered."""
+    return {"guard": spawn_guard(ARGS["name"], ARGS["guard"])}
 
 
 # ---- the health gate --------------------------------------------------------------------------
@@ -692,9 +694,12 @@ def run_guard(name, spec, lease):
     started = time.time()
     lease_timeout = float(spec["lease_timeout"])
     disarm = os.path.join(release_dir(name), "guard.disarm")
+    previous = (spec.get("previous") or {}).get("name")
 
     def standing_down():
-        return os.path.exists(disarm) or guard_status(name) != "deploying" or current_name() != name
+        # armed before the switch: `current` is the previous release until then
+        return (os.path.exists(disarm) or guard_status(name) != "deploying"
+                or current_name() not in (name, previous))
 
     while True:
         if standing_down():
@@ -708,6 +713,14 @@ def run_guard(name, spec, lease):
         time.sleep(1)
     journal({"action": "guard.takeover", "release": name, "who": "guard on host",
              "detail": "controller stopped renewing its lease %ds ago" % int(idle)})
+    serving = server_proc()
+    if previous and current_name() == previous and serving and serving.get("release") == previous:
+        # The controller died before it stopped the old server: nothing to undo but the patches.
+        undo_patches(spec)
+        write_fields(name, {"status": "interrupted", "failure": "controller lost before the restart"})
+        journal({"action": "guard.keep", "release": previous, "outcome": "previous release still serving",
+                 "detail": "controller lost before the restart onto %s; its patches undone" % name})
+        return
     remaining = max(5.0, float(spec["health_timeout"]) - (time.time() - started))
     outcome = gate(name, int(spec["port"]), spec.get("health") or {}, spec.get("signatures") or [], remaining,
                    stop_when=lambda: os.path.exists(disarm) or guard_status(name) != "deploying")
@@ -729,6 +742,20 @@ def write_fields(name, fields):
     write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
 
 
+def undo_patches(spec):
+    """Bring the venv's patch set back to the previous release's; returns what failed."""
+    problems = []
+    for step in spec.get("patch_plan") or []:
+        try:
+            if step["action"] == "apply":
+                do_apply(step["patch"])
+            else:
+                do_revert(step["patch"])
+        except SystemExit:
+            problems.append("%s %s failed" % (step["action"], step["patch"]["name"]))
+    return problems
+
+
 def guard_rollback(name, spec, outcome):
     owner = {"id": "guard-%d" % os.getpid(), "who": "servops guard on host", "action": "guard rollback of " + name,
              "host_pid": os.getpid(), "host_starttime": proc_starttime(os.getpid())}
@@ -746,15 +773,7 @@ def guard_rollback(name, spec, outcome):
         if took:
             os.unlink(LOCKFILE)
         return
-    problems = []
-    for step in spec.get("patch_plan") or []:
-        try:
-            if step["action"] == "apply":
-                do_apply(step["patch"])
-            else:
-                do_revert(step["patch"])
-        except SystemExit:
-            problems.append("%s %s failed" % (step["action"], step["patch"]["name"]))
+    problems = undo_patches(spec)
     write_fields(name, {"status": "failed", "failure": why})
     switch_to(target["name"])
     start_server(target["name"], target.get("port"))
@@ -779,7 +798,7 @@ def op_disarm():
 OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "discard": op_discard,
        "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
-       "journal": op_journal, "renew": op_renew, "disarm": op_disarm}
+       "journal": op_journal, "renew": op_renew, "disarm": op_disarm, "arm": op_arm}
 
 
 def run_op(op):

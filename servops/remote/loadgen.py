@@ -29,6 +29,9 @@ WORDS = ("the quick brown fox jumps over a lazy dog while servers stream tokens 
 IDS_LOW, IDS_HIGH = 1000, 30000
 GOODPUT_SLO_METRICS = ("ttft", "tpot", "e2el")
 FLUSH_TIMEOUT_S = 30.0  # seconds the server may take to become idle (sglang's ?timeout=)
+# A server that stalls mid-stream must not hang the bench: a request that has not finished in
+# this long fails ("stalled"), and the level goes on. One timer per request, not per read.
+REQUEST_TIMEOUT_S = 1800.0
 
 
 # ---------------------------------------------------------------------------------- datasets
@@ -755,11 +758,23 @@ def arrival_offsets(n, rate, burstiness, rnd):
     return out
 
 
+def bounded(call, timeout):
+    """`call`, failing a request that has not finished within `timeout` seconds."""
+    async def run(session, url, req, model, rec):
+        try:
+            return await asyncio.wait_for(call(session, url, req, model, rec), timeout)
+        except asyncio.TimeoutError:
+            rec["ok"] = False
+            rec["error"] = "no complete response within %gs: the server stalled" % timeout
+            return rec
+    return run
+
+
 async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/completions", rate=None,
                     burstiness=1.0, seed=0, warmup=0, flush=False, progress=None, monitor=True,
-                    flush_timeout=FLUSH_TIMEOUT_S):
+                    flush_timeout=FLUSH_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S):
     """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry."""
-    call = one_generate if endpoint == "/generate" else one_completion
+    call = bounded(one_generate if endpoint == "/generate" else one_completion, request_timeout)
     url = endpoint
     records = [None] * len(reqs)
     info = {"warmup": {"requests": warmup}}
@@ -898,7 +913,8 @@ def bench(base, args, emit, progress=None):
                     base, reqs, level, args.get("model", "default"), endpoint, rate,
                     float(args.get("burstiness", 1.0)), int(args.get("seed", 42)) + level * 31 + rep,
                     int(args.get("warmup", 0)), bool(args.get("flush_cache", False)), cb,
-                    bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S))))
+                    bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S)),
+                    float(args.get("request_timeout") or REQUEST_TIMEOUT_S)))
                 cfg = {"request_rate": float("inf") if rate is None else rate, "max_concurrency": level,
                        "dataset_name": spec.get("kind"), "input_len": spec["input_len"],
                        "output_len": spec["output_len"], "range_ratio": spec["range_ratio"],
