@@ -56,7 +56,8 @@ def test_the_readme_runs_as_written(tmp_path):
     out = res.stdout + res.stderr
     for i, (command, expected) in enumerate(commands):
         assert got.get(i) == expected, f"`{command}` exited {got.get(i)}, README says {expected}\n{out[-6000:]}"
-    assert "Traceback" not in out
+    # the server's own crash traceback is part of the story; servops' and invoke's never are
+    assert not re.search(r'File "[^"]*/(servops|invoke)/[^"]*\.py"', out), out[-4000:]
     # the story's comments, checked against what the commands printed
     assert "rolled back to" in out and "matched: dynamo-get-cuda-version-subprocess (dynamo-trace)" in out
     assert "patched by cuda-version-no-subprocess (expected)" in out
