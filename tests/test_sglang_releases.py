@@ -201,7 +201,8 @@ def test_static_fallback_gives_the_same_verdicts(lab, sglang_release, tmp_path, 
         assert real[v]["ok"] == static[v]["ok"], v
         assert [p.replace(" (static check)", "") for p in static[v]["problems"]] == real[v]["problems"], v
     assert real["baseline"]["ok"] and real["piecewise"]["ok"] and not real["typo"]["ok"]
-    assert not real["oldpw"]["ok"] and len(real["badval"]["problems"]) == 2
+    assert real["oldpw"]["ok"] == (version == "0.5.9")  # the seed's own flags: fine on 0.5.9 only
+    assert len(real["badval"]["problems"]) == 2
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -239,7 +240,8 @@ def test_the_double_rejects_flags_as_sglang_does(sglang_release, tmp_path, versi
     res = subprocess.run([py, str(DOUBLE), "--model-path", str(tmp_path), "--cuda-graph-max-bz", "256"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
-    assert res.stderr.lstrip().startswith(f"usage: {prog} [-h]")
+    # (a real import may warn first, as it does before sglang's own usage message)
+    assert any(line.startswith(f"usage: {prog} [-h]") for line in res.stderr.splitlines()), res.stderr[-3000:]
     assert f"{prog}: error: unrecognized arguments: --cuda-graph-max-bz 256" in res.stderr
     if version == "0.5.23":
         res = subprocess.run([py, str(DOUBLE), "--model-path", str(tmp_path), "--cuda-graph-max-bs", "256"],
