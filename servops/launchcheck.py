@@ -211,6 +211,27 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     return check
 
 
+def variants_per_host(variant: dict, targets: list) -> dict[str, dict]:
+    """host name -> the variant as that host launches it: a multi-node variant (nnodes N) gets each
+    node's --nnodes/--node-rank/--dist-init-addr, grouped N hosts at a time as deploy groups them."""
+    from types import SimpleNamespace
+
+    from .deploy import node_args  # lazily: deploy imports this module
+
+    nnodes = int(variant.get("nnodes") or 1)
+    if nnodes == 1:
+        return {h.name: variant for h in targets}
+    if len(targets) % nnodes:
+        raise ServopsError(f"variant {variant['name']} runs on {nnodes} nodes per server; select a multiple of "
+                           f"{nnodes} hosts (got {len(targets)}), rank 0 first")
+    out = {}
+    for i in range(0, len(targets), nnodes):
+        group = targets[i:i + nnodes]
+        for host, extra in zip(group, node_args(variant, [SimpleNamespace(host=h) for h in group])):
+            out[host.name] = dict(variant, server_args=dict(variant["server_args"], **extra))
+    return out
+
+
 def raise_if_refused(check: LaunchCheck, host_name: str) -> None:
     """A refused check as ONE line: the host, the variant, the host's sglang, the first problem."""
     if check.ok:
