@@ -232,6 +232,13 @@ def variants_per_host(variant: dict, targets: list) -> dict[str, dict]:
     return out
 
 
+def host_sglang_version(hs: HostSession) -> str | None:
+    """The host's installed sglang version (None: not installed), read from its distribution
+    metadata without importing it: one quick round trip, for `render` to pick the `when:` rules."""
+    res = run_program(hs, "launch_check", {"version_only": True})
+    return (res.get("sglang") or {}).get("version")
+
+
 def raise_if_refused(check: LaunchCheck, host_name: str) -> None:
     """A refused check as ONE line: the host, the variant, the host's sglang, the first problem."""
     if check.ok:

@@ -283,3 +283,18 @@ def test_the_double_serves_the_release_endpoints(sglang_release, tmp_path, versi
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
     assert "Endpoint '/get_model_info' is deprecated" in out
+
+
+def test_host_sglang_version_is_one_quick_round_trip(lab, sglang_release, tmp_path):
+    from servops.inventory import load_inventory
+    from servops.launchcheck import host_sglang_version
+    from servops.transport import Session
+
+    env = sglang_release("0.5.23")
+    release = load_inventory(release_lab(lab, env, tmp_path)[0])
+    plain = load_inventory(lab.inventory(host_vars={"lab1": {"server_port": free_port()}}))  # same file, rewritten
+    with Session(release) as s:
+        hs = s.host(release.hosts["lab1"])
+        assert host_sglang_version(hs) == "0.5.23" and hs.round_trips == 1
+    with Session(plain) as s:
+        assert host_sglang_version(s.host(plain.hosts["lab1"])) is None
