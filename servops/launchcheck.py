@@ -64,8 +64,8 @@ class LaunchCheck:
         rules = f", {len(self.rules)} rule(s)" if self.rules else ""
         if not self.ok:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-            where = f" on sglang {self.sglang_version} ({how})" if self.sglang_version else ""
-            return f"refused{where}: {self.problems[0]}{more}"
+            by = f" by {how}" if self.parser else ""
+            return f"refused{by}: {self.problems[0]}{more}"
         if not self.sglang_version:
             return f"no sglang on the host: flags not checked ({self.server_module}); facts ok in {self.elapsed_s:.2f}s"
         return f"launch ok on sglang {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
@@ -243,12 +243,10 @@ def raise_if_refused(check: LaunchCheck, host_name: str) -> None:
     """A refused check as ONE line: the host, the variant, the host's sglang, the first problem."""
     if check.ok:
         return
-    on = f"sglang {check.sglang_version}" if check.sglang_version else "a host without sglang"
-    how = " (static check)" if check.static else ""
     more = (f" (+{len(check.problems) - 1} more: invoke check --variant {check.variant_name} -H {host_name})"
             if len(check.problems) > 1 else "")
-    raise LaunchRefused(f"{host_name}: launch of {check.variant_name} refused on {on}{how}: "
-                        f"{check.problems[0]}{more}")
+    # a flag's problem names the host's sglang version (and "static check" where that applies)
+    raise LaunchRefused(f"{host_name}: launch of {check.variant_name} refused: {check.problems[0]}{more}")
 
 
 def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
