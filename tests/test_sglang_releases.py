@@ -298,3 +298,24 @@ def test_host_sglang_version_is_one_quick_round_trip(lab, sglang_release, tmp_pa
         assert host_sglang_version(hs) == "0.5.23" and hs.round_trips == 1
     with Session(plain) as s:
         assert host_sglang_version(s.host(plain.hosts["lab1"])) is None
+
+
+def test_the_double_without_sglang_serves_the_newest_shapes(tmp_path):
+    import sys
+
+    port = free_port()
+    argv = ["--model-path", str(model_dir(tmp_path)), "--port", str(port), "--tp", "8", "--quantization", "x"]
+    proc = subprocess.Popen([sys.executable, str(DOUBLE), *argv], env=dict(os.environ, SGLANG_DOUBLE_LOAD_TIME="0.2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while http(port, "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, info = http(port, "/server_info")
+        assert status == 200 and info["version"] == "double" and info["tp_size"] == 8
+        assert info["launch_command"] == " ".join(argv) and "internal_states" in info
+        assert http(port, "/model_info")[1]["served_model_name"].endswith("GLM-5-NVFP4")
+        assert http(port, "/metrics")[0] == 200  # the plain double always serves /metrics
+    finally:
+        proc.terminate()
+        proc.wait(10)
