@@ -361,13 +361,15 @@ def check(c, variant, json=False, hosts=None, inventory=None):
     from servops.playbooks import load_variant
     from servops.releases import deploy_root
 
+    inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
+    per_host = lc.variants_per_host(v, targets)  # multi-node: each node's rank flags, as deploy sets them
 
     def op(hs):
-        res = lc.check_variant(hs, v, deploy_root=deploy_root(hs.host))
+        res = lc.check_variant(hs, per_host[hs.host.name], deploy_root=deploy_root(hs.host))
         return (OK if res.ok else FAILED), res.summary(), res
 
-    run = on_hosts(inventory, hosts, op)
+    run = VerbRun(inv, targets).run(op)
     run.recap.machine_output = json
     for _h, res in run.each():
         if json:

@@ -64,8 +64,8 @@ class LaunchCheck:
         rules = f", {len(self.rules)} rule(s)" if self.rules else ""
         if not self.ok:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-            where = f" on sglang {self.sglang_version} ({how})" if self.sglang_version else ""
-            return f"refused{where}: {self.problems[0]}{more}"
+            by = f" by {how}" if self.parser else ""
+            return f"refused{by}: {self.problems[0]}{more}"
         if not self.sglang_version:
             return f"no sglang on the host: flags not checked ({self.server_module}); facts ok in {self.elapsed_s:.2f}s"
         return f"launch ok on sglang {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
@@ -211,16 +211,42 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     return check
 
 
+def variants_per_host(variant: dict, targets: list) -> dict[str, dict]:
+    """host name -> the variant as that host launches it: a multi-node variant (nnodes N) gets each
+    node's --nnodes/--node-rank/--dist-init-addr, grouped N hosts at a time as deploy groups them."""
+    from types import SimpleNamespace
+
+    from .deploy import node_args  # lazily: deploy imports this module
+
+    nnodes = int(variant.get("nnodes") or 1)
+    if nnodes == 1:
+        return {h.name: variant for h in targets}
+    if len(targets) % nnodes:
+        raise ServopsError(f"variant {variant['name']} runs on {nnodes} nodes per server; select a multiple of "
+                           f"{nnodes} hosts (got {len(targets)}), rank 0 first")
+    out = {}
+    for i in range(0, len(targets), nnodes):
+        group = targets[i:i + nnodes]
+        for host, extra in zip(group, node_args(variant, [SimpleNamespace(host=h) for h in group])):
+            out[host.name] = dict(variant, server_args=dict(variant["server_args"], **extra))
+    return out
+
+
+def host_sglang_version(hs: HostSession) -> str | None:
+    """The host's installed sglang version (None: not installed), read from its distribution
+    metadata without importing it: one quick round trip, for `render` to pick the `when:` rules."""
+    res = run_program(hs, "launch_check", {"version_only": True})
+    return (res.get("sglang") or {}).get("version")
+
+
 def raise_if_refused(check: LaunchCheck, host_name: str) -> None:
     """A refused check as ONE line: the host, the variant, the host's sglang, the first problem."""
     if check.ok:
         return
-    on = f"sglang {check.sglang_version}" if check.sglang_version else "a host without sglang"
-    how = " (static check)" if check.static else ""
     more = (f" (+{len(check.problems) - 1} more: invoke check --variant {check.variant_name} -H {host_name})"
             if len(check.problems) > 1 else "")
-    raise LaunchRefused(f"{host_name}: launch of {check.variant_name} refused on {on}{how}: "
-                        f"{check.problems[0]}{more}")
+    # a flag's problem names the host's sglang version (and "static check" where that applies)
+    raise LaunchRefused(f"{host_name}: launch of {check.variant_name} refused: {check.problems[0]}{more}")
 
 
 def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:

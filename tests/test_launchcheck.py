@@ -77,3 +77,23 @@ def test_gpu_count_is_checked_against_tp_where_nvidia_smi_exists(lab, tmp_path):
     books = playbooks_with(tmp_path, tp4="extends: baseline\nserver_args: {tp: 4}\n")
     res = run_invoke("check", "--variant", "tp4", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_multi_node_variant_is_checked_per_node(lab, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA B200\"; done\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    inv = lab.inventory(n_hosts=2, host_vars={"lab1": {"server_port": free_port()}, "lab2": {"server_port": free_port()}},
+                        group_vars={"env": {"PATH": f"{fake}:/usr/bin:/bin", "CUDA_HOME": "/tmp"},
+                                    "server_module": "mysglang.launch", "model_path": str(tmp_path)})
+    books = playbooks_with(tmp_path, tp16="extends: baseline\nnnodes: 2\nserver_args: {tp: 16}\n")
+    env = {"SERVOPS_PLAYBOOKS": str(books)}
+    res = run_invoke("check", "--variant", "tp16", "-H", "lab1,lab2", "--json", inventory=inv, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(chunk) for chunk in res.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    for rank, row in enumerate(rows):
+        assert " ".join(row["argv"]).endswith(f"--nnodes 2 --node-rank {rank} --dist-init-addr 127.0.0.2:5000")
+        assert row["facts"]["gpus_needed"] == 8 and row["ok"]  # tp 16 over 2 nodes: 8 GPUs each
+    bad = run_invoke("check", "--variant", "tp16", "-H", "lab1", inventory=inv, env=env)
+    assert bad.returncode == 2 and "runs on 2 nodes per server; select a multiple of 2 hosts" in bad.stderr

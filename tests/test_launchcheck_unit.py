@@ -235,7 +235,7 @@ def test_refusal_is_one_line():
     with pytest.raises(LaunchRefused) as err:
         raise_if_refused(check, "h1")
     text = str(err.value)
-    assert "\n" not in text and text.startswith("h1: launch of typo refused on sglang 0.5.23: --cuda-graph-max-bz")
+    assert "\n" not in text and text.startswith("h1: launch of typo refused: --cuda-graph-max-bz: unrecognized on sglang 0.5.23")
     assert "(+1 more: invoke check --variant typo -H h1)" in text
     check.ok, check.problems = True, []
     raise_if_refused(check, "h1")

@@ -138,6 +138,7 @@ def parse_args(argv):
         args.launch_command = " ".join(argv)
         args.sglang_server_args = {k: v for k, v in vars(args).items()
                                    if k not in ("sglang_version", "parser", "sglang_package", "launch_command")}
+        args.sglang_server_args["tp_size"] = args.tp  # sglang's field name
         return args, rest
     version = sa.sglang_version(pkg)
     parser, how, note = sa.build_parser(pkg)

@@ -1,7 +1,7 @@
 # Launch preflight: validate rendered launch argvs with the host's OWN sglang parser (sglang_args,
 # included before this file), plus the facts a launch needs: the model path, the port, the GPUs.
 #
-# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real"}
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only"}
 # Reply: {"python", "sglang": {"version", "package", "parser", "note", "prog", "actions", "unchecked"},
 #         "branches": {id: validate() result + "facts"}, "port": {...}, "gpus": {...} | None,
 #         "timings": {...}}
@@ -141,6 +141,10 @@ def main():
            "branches": {}}
     base_env = dict(os.environ)
     parsers = {}
+    if ARGS.get("version_only"):
+        out["timings"] = {"host_s": round(time.time() - _T0, 3)}
+        reply(out)
+        return
     if pkg:
         saved = _stdout_to_stderr()
         try:
