@@ -30,7 +30,6 @@ from conftest import REPO, playbooks_with, run_invoke
 RELEASES = ["0.5.9", "0.5.15", "0.5.23"]
 DOUBLE = REPO / "servops" / "lab" / "sglang_double.py"
 PATCH = "cuda-version-no-subprocess"
-DEPLOY_CHECKS = "launchcheck" in (REPO / "servops" / "deploy.py").read_text()
 
 
 def parser_word(env) -> str:
@@ -49,18 +48,6 @@ def release_lab(lab, release, tmp_path, **extra):
     inv = lab.inventory(host_vars={"lab1": {"venv": str(release["venv"]), "server_port": port,
                                             "model_path": str(model_dir(tmp_path)), **extra}})
     return inv, port
-
-
-def resolved_books(tmp_path: Path, version: str, **more: str) -> Path:
-    """baseline and piecewise as `when:` resolves them for this release, written out flat (a deploy
-    that does not resolve rules itself launches exactly what check validated), plus test variants."""
-    books = playbooks_with(tmp_path, **more)
-    for name in ("baseline", "piecewise"):
-        v, _rules = resolve(load_variant(name), version)
-        flat = {k: v[k] for k in ("template", "server_args", "env", "patches", "health", "crash_signatures",
-                                  "stop_grace")}
-        (books / f"{name}.yml").write_text(yaml.safe_dump(flat, sort_keys=False))
-    return books
 
 
 def http(port: int, path: str):
@@ -104,7 +91,8 @@ def test_both_variants_validate_and_deploy_and_a_typo_is_refused(lab, sglang_rel
     print(f"check round trip on sglang {version} ({data['parser']}): {data['elapsed_s']:.2f}s "
           f"(host: {data['host_timings']})")
 
-    books = resolved_books(tmp_path, version, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 256}\n")
+    # deploy resolves the shipped variants' `when:` rules against the host's sglang itself
+    books = playbooks_with(tmp_path, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 256}\n")
     benv = {"SERVOPS_PLAYBOOKS": str(books)}
     try:
         res = run_invoke("deploy", "--variant", "baseline", inventory=inv, env=benv)
@@ -137,9 +125,7 @@ def test_both_variants_validate_and_deploy_and_a_typo_is_refused(lab, sglang_rel
         run_invoke("stop", "--grace", "2", inventory=inv)
 
 
-@pytest.mark.xfail(not DEPLOY_CHECKS, reason="deploy runs the launch preflight once the lead integrates it "
-                                              "(servops/deploy.py, issue 10)", strict=False)
-@pytest.mark.parametrize("version", ["0.5.23"])
+@pytest.mark.parametrize("version", RELEASES)
 def test_deploy_refuses_a_bad_flag_before_anything_stops(lab, sglang_release, tmp_path, version):
     env = sglang_release(version)
     inv, port = release_lab(lab, env, tmp_path)
