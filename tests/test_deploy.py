@@ -54,7 +54,7 @@ def test_render_prints_the_script_without_a_host(lab):
     res = run_invoke("render", "--variant", "piecewise", "-H", "lab1", inventory=inv)
     assert res.returncode == 0, res.stderr
     assert "-m sglang_double" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
-    assert "--tp 8" in res.stdout and "--model-path /models/GLM-5-NVFP4" in res.stdout
+    assert "--tp-size 8" in res.stdout and "--model-path /models/GLM-5-NVFP4" in res.stdout
     assert "export CUDA_HOME=" in res.stdout
     bad = run_invoke("render", "--variant", "nope", "-H", "lab1", inventory=inv)
     assert bad.returncode == 2 and "unknown variant 'nope'" in bad.stderr and "baseline" in bad.stderr

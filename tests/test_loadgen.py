@@ -227,3 +227,18 @@ def test_a_server_that_stalls_mid_stream_fails_the_request_not_the_bench(double)
     [line] = lines
     assert line["completed"] == 0
     assert all("the server stalled" in e for e in line["errors"]), line["errors"]
+
+
+def test_server_metrics_across_eight_tp_ranks_are_not_summed():
+    """--enable-metrics-for-all-schedulers: every TP rank repeats the scheduler's gauges."""
+    text = "".join(f'sglang:num_running_reqs{{model_name="m",tp_rank="{r}",pp_rank="0"}} 5\n'
+                   f'sglang:token_usage{{model_name="m",tp_rank="{r}",pp_rank="0"}} {0.40 + r * 0.01}\n'
+                   f'sglang:num_retracted_requests_total{{model_name="m",tp_rank="{r}"}} 3\n' for r in range(8))
+    text += 'sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 7\n'
+    snap = loadgen.parse_prom(text)
+    assert loadgen._metric(snap, "sglang:num_running_reqs") == 5
+    assert loadgen._metric(snap, "sglang:token_usage", ratio=True) == pytest.approx(0.435)
+    assert loadgen._metric(snap, "sglang:num_retracted_requests_total") == 3
+    assert loadgen._metric(snap, "sglang:time_to_first_token_seconds_bucket", le="0.1") == 7
+    two_dp = text.replace('tp_rank="0"', 'dp_rank="1",tp_rank="0"')
+    assert loadgen._metric(loadgen.parse_prom(two_dp), "sglang:num_running_reqs") == 10  # one per DP group

@@ -23,7 +23,7 @@ def test_shipped_piecewise_extends_baseline():
     v = load_variant("piecewise")
     assert v["chain"] == ["baseline", "piecewise"]
     assert v["server_args"]["enable-piecewise-cuda-graph"] is True
-    assert v["server_args"]["tp"] == "{{ tp }}" and v["patches"] == ["cuda-version-no-subprocess"]
+    assert v["server_args"]["tp-size"] == "{{ tp }}" and v["patches"] == ["cuda-version-no-subprocess"]
     assert r"torch\._dynamo\.exc\.Unsupported" in v["crash_signatures"]
 
 
@@ -52,7 +52,7 @@ def test_cycle_and_unknown_variants(tmp_path):
 def test_render_quotes_every_value_and_fails_on_missing_vars(tmp_path):
     v = load_variant("piecewise")
     text = render_launch(HOST, v).script
-    assert "--model-path '/models/My Model'" in text and "--tp 8" in text
+    assert "--model-path '/models/My Model'" in text and "--tp-size 8" in text
     assert "export CUDA_HOME=/usr/local/cuda" in text
     root = books(tmp_path, m="server_args: {model-path: '{{ model_pth }}'}\n")
     with pytest.raises(RenderError, match="server_args.model-path: 'model_pth' is undefined"):

@@ -525,8 +525,12 @@ def calculate(records, duration, cfg):
 
 # ---------------------------------------------------------------------------------- server side
 
+RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
+KEPT_LABELS = ("le", "quantile", "dp_rank") + RANK_LABELS
+
+
 def parse_prom(text):
-    """Minimal Prometheus text parser: {(name, frozenset(labels minus model_name)): value}."""
+    """Minimal Prometheus text parser: {(name, frozenset(le/quantile/rank labels)): value}."""
     out = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -541,7 +545,7 @@ def parse_prom(text):
                         continue
                     k, v = part.split("=", 1)
                     k = k.strip().strip(",")
-                    if k in ("le", "quantile"):
+                    if k in KEPT_LABELS:
                         labels.append((k, v.strip().strip('"')))
             else:
                 name, value_text = line.split(None, 1)
@@ -554,8 +558,33 @@ def parse_prom(text):
     return out
 
 
-def _metric(snap, name):
-    return sum(v for (n, labels), v in snap.items() if n == name and not labels) if snap else None
+def _rank(labels):
+    def num(v):
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return 0
+    return tuple(num(labels.get(k)) for k in RANK_LABELS)
+
+
+def _metric(snap, name, ratio=False, le=None):
+    """A metric across scheduler ranks, as sglang itself reports it: per DP group the lowest
+    TP/PP/EP rank's value (every rank repeats it with --enable-metrics-for-all-schedulers),
+    summed over DP groups; a ratio (token usage) is the mean over ranks."""
+    if not snap:
+        return None
+    entries = [dict(labels) for (n, labels) in snap if n == name]
+    entries = [(l, snap[(name, frozenset(l.items()))]) for l in entries if l.get("le") == le]
+    if not entries:
+        return 0.0 if not ratio else None
+    if ratio:
+        return sum(v for _l, v in entries) / len(entries)
+    groups = {}
+    for labels, v in entries:
+        g = labels.get("dp_rank")
+        if g not in groups or _rank(labels) < _rank(groups[g][0]):
+            groups[g] = (labels, v)
+    return sum(v for _l, v in groups.values())
 
 
 def _present(snap, name):
@@ -576,11 +605,9 @@ def hist_delta(a, b, base):
     """Bucket counts of histogram `base` between snapshots a and b: [[le, count], ...]."""
     if not _present(b, base + "_bucket"):
         return None
-    buckets = {}
-    for (n, labels), v in b.items():
-        if n == base + "_bucket":
-            le = dict(labels).get("le")
-            buckets[le] = buckets.get(le, 0.0) + v - (a or {}).get((n, labels), 0.0)
+    les = {dict(labels).get("le") for (n, labels) in b if n == base + "_bucket"}
+    buckets = {le: _metric(b, base + "_bucket", le=le) - ((_metric(a, base + "_bucket", le=le) or 0.0) if a else 0.0)
+               for le in les}
     rows = sorted(([float(le), c] for le, c in buckets.items()), key=lambda r: r[0])
     return {"buckets": [["+Inf" if math.isinf(le) else le, c] for le, c in rows],
             "count": (_metric(b, base + "_count") or 0.0) - (_metric(a, base + "_count") or 0.0),
@@ -687,8 +714,8 @@ class ServerMonitor:
                 self._sample(snap)
 
     def _sample(self, snap):
-        self.series.append([round(time.perf_counter() - self.t0, 3)] + [_metric(snap, GAUGES[k]) for k in
-                                                                       ("running", "queued", "token_usage", "gen_throughput")])
+        self.series.append([round(time.perf_counter() - self.t0, 3)] + [
+            _metric(snap, GAUGES[k], ratio=(k == "token_usage")) for k in ("running", "queued", "token_usage", "gen_throughput")])
 
     async def stop(self):
         if self._task:
