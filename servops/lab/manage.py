@@ -19,21 +19,13 @@ import time
 from pathlib import Path
 
 from ..inventory import Host
+from ..remote.procs import proc_starttime
 from . import venvs
 from .sshd import SshServer, keygen
 
 LAB = Path(os.environ.get("SERVOPS_LAB_HOME") or Path.home() / ".servops-lab")
 CUDA_STANDIN = Path("/tmp/servops-lab-cuda")
 CUDA_VERSION_JSON = '{"cuda": {"name": "CUDA SDK", "version": "12.9.1"}}'
-
-
-def proc_starttime(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def _record_path(address: str, port: int) -> Path:

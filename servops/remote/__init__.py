@@ -16,8 +16,8 @@ from typing import Mapping
 
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
-_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"], "launch_check": ["sglang_args"], "patch_op": ["patch_core"],
-             "deploy_ctl": ["patch_core"]}
+_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"], "launch_check": ["procs", "sglang_args"],
+             "patch_op": ["patch_core"], "deploy_ctl": ["procs", "patch_core"]}
 
 _LAUNCHER = """\
 import os, subprocess, sys

@@ -1,6 +1,5 @@
 import signal
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -38,14 +37,6 @@ def write_atomic(path, text, mode=0o600):
         raise
 
 
-def read_json(path, default=None):
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return default
-
-
 def release_dir(name):
     """A release named as `releases` lists it; never a path."""
     if not NAME_RE.fullmatch(name or ""):
@@ -60,24 +51,8 @@ def current_name():
         return None
 
 
-def proc_starttime(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError, ValueError, TypeError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
 def server_proc():
-    """The server we started, from the pidfile; a reused pid (other start time) is not ours."""
-    info = read_json(PIDFILE)
-    if not info:
-        return None
-    st = proc_starttime(info.get("pid", 0))
-    if st is None or st != info.get("starttime"):
-        return None
-    return info
+    return our_server(ROOT)
 
 
 def release_info(name):
@@ -273,19 +248,6 @@ def switch_to(name):
     os.symlink(os.path.join("releases", name), tmp)
     os.replace(tmp, CURRENT)  # rename(2): readers see the old or the new release, never neither
     return {"current": name}
-
-
-def port_in_use(port):
-    """Is something listening? SO_REUSEADDR as servers set it, so TIME_WAIT leftovers don't count."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(("0.0.0.0", port))
-    except OSError:
-        return True
-    finally:
-        s.close()
-    return False
 
 
 def listener_inodes(port):

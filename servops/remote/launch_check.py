@@ -7,7 +7,6 @@
 #         "timings": {...}}
 import json as _json
 import shutil
-import socket
 import subprocess
 import time
 
@@ -27,55 +26,11 @@ def _restore_stdout(saved):
     os.close(saved)
 
 
-def _read_json(path):
-    try:
-        with open(path) as fh:
-            return _json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_starttime(pid):
-    try:
-        with open("/proc/%d/stat" % int(pid)) as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _our_server(root):
-    """servops' server from <deploy_root>/server.pid, as deploy_ctl's server_proc reads it."""
-    info = _read_json(os.path.join(root, "server.pid"))
-    if not isinstance(info, dict) or "pid" not in info:
-        return None
-    if _proc_starttime(info["pid"]) != info.get("starttime"):
-        return None
-    try:
-        with open("/proc/%d/stat" % int(info["pid"])) as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return None
-    except (OSError, ValueError):
-        return None
-    return info
-
-
-def _port_in_use(port):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(("0.0.0.0", int(port)))
-    except OSError:
-        return True
-    finally:
-        s.close()
-    return False
-
-
 def port_fact(port, root):
     if not port:
         return None
-    ours = _our_server(root)
-    if not _port_in_use(port):
+    ours = our_server(root)
+    if not port_in_use(port):
         return {"port": int(port), "state": "free"}
     if ours:
         return {"port": int(port), "state": "ours", "pid": ours.get("pid")}
