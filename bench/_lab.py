@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from servops.lab import venvs as remote_venv  # noqa: E402
-from servops.lab.sshd import keygen, make_server  # noqa: E402
+from servops.lab.sshd import free_port, keygen, make_server  # noqa: E402
 
 
 class BenchLab:
@@ -29,8 +29,7 @@ class BenchLab:
         hosts = {}
         for i, s in enumerate(self.servers):
             hosts[f"lab{i + 1}"] = {"ssh_host": s.address, "ssh_port": s.port, "ssh_user": s.user,
-                                    "server_port": 30000 + i, "state_dir": str(self.tmp / f"state{i}"),
-                                    "deploy_root": str(self.tmp / f"deploy{i}")}
+                                    "server_port": free_port(), "deploy_root": str(self.tmp / f"deploy{i}")}
         lab = yaml.safe_load((REPO / "inventory" / "lab.yml").read_text())
         gvars = dict(lab["all"]["children"]["lab"]["vars"], ssh_key=str(self.key),
                      known_hosts=str(self.known_hosts), venv=str(self.venv))

@@ -33,13 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from . import gate as gatemod
 from .bench import DATASETS, parse_slo
 from .errors import ServopsError
 from .playbooks import load_variant
-from .schema import ENV_NAME, FLAG, NAME, Field, SchemaError, check_mapping
+from .schema import ENV_NAME, FLAG, NAME, Field, load_mapping
 
 CAMPAIGN_ROOT = Path(os.environ.get("SERVOPS_CAMPAIGNS") or Path(__file__).resolve().parent.parent / "campaigns")
 
@@ -273,17 +271,7 @@ def load_campaign(name_or_path: str) -> Campaign:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CAMPAIGN_ROOT.glob("*.yml"))) or "none"
         raise CampaignError(f"campaign {name_or_path!r}: no {path} (known: {known})")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise CampaignError(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
-    if not isinstance(raw, dict):
-        raise CampaignError(f"{path}: must be a mapping")
-    try:
-        data = check_mapping(raw, CAMPAIGN, f"{path}: ")
-    except SchemaError as exc:
-        raise CampaignError(str(exc)) from None
+    data = load_mapping(path, CAMPAIGN, CampaignError)
     for key in ("base", "bench", "objective"):
         if key not in data:
             raise _fail(path, key, "is required")

@@ -203,6 +203,27 @@ def evaluate(conds: list[Condition], result: dict, lookup) -> tuple[bool, list[s
     return passed, lines
 
 
+_THROUGHPUT = {"output_tps": "tok/s", "input_tps": "tok/s", "total_tps": "tok/s", "max_output_tokens_per_s": "tok/s",
+               "request_rate": "req/s", "request_goodput": "req/s"}
+
+
+def unit(metric: str) -> str:
+    if metric in _THROUGHPUT:
+        return _THROUGHPUT[metric]
+    if metric.split("_")[0] in LATENCIES:
+        return "ms"
+    return ""
+
+
+def num(value: float, metric: str = "") -> str:
+    """A plain number (never 4e+04), with the metric's unit: '40,123 tok/s', '512.3 ms', '0.95'."""
+    mag = abs(value)
+    text = (f"{value:,.0f}" if mag >= 1000 else f"{value:.1f}" if mag >= 10 else f"{value:.3g}" if mag >= 0.001
+            else f"{value:.6f}".rstrip("0").rstrip(".") or "0")
+    u = unit(metric)
+    return f"{text} {u}" if u else text
+
+
 def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
     lv = _level(result, c.level)
     if lv is None:
@@ -213,7 +234,7 @@ def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
         errors = lv.get("errors") or {}
         top = max(errors.items(), key=lambda kv: kv[1])[0][:120] if errors else ""
         ok = OPS[c.op](rate, c.number)
-        return ok, (f"{lv.get('failed', 0)} of {lv.get('requests', 0)} requests failed = {rate:.3g}"
+        return ok, (f"{lv.get('failed', 0)} of {lv.get('requests', 0)} requests failed = {num(rate)}"
                     + (f"; e.g. {top}" if top else ""))
     mine = _samples(lv, c.metric)
     if mine is None:
@@ -222,8 +243,8 @@ def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
     if c.ref is None:
         actual = _mean(mine)
         ci = (lv.get("ci95") or {}).get(c.metric)
-        spread = f" ±{(ci[1] - ci[0]) / 2:.3g}" if ci else ""
-        return OPS[c.op](actual, c.number), f"{actual:.4g}{spread} {c.op} {c.number:g}"
+        spread = f" ±{num((ci[1] - ci[0]) / 2)}" if ci else ""
+        return OPS[c.op](actual, c.number), f"{num(actual, c.metric)}{spread} {c.op} {num(c.number, c.metric)}"
     ref = lookup(c.ref)
     if ref is None:
         raise GateError(f"gate: no saved bench of variant {c.ref!r} on {result.get('host')}; deploy and bench {c.ref} first")
@@ -244,8 +265,9 @@ def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
         ok = OPS[c.op](diff - half, 0.0)
     else:
         ok = OPS[c.op](diff + half, 0.0)
-    text = f"{a:.4g} {c.op} {f:g}*{b:.4g}={target:.4g}"
+    text = f"{num(a, c.metric)} {c.op} {f:g}*{num(b)}={num(target, c.metric)}"
     if half:
-        text += (f"; difference {diff:+.4g} ±{half:.3g} (95%, n={len(mine)} vs {len(theirs)})"
+        text += (f"; difference {'+' if diff >= 0 else ''}{num(diff, c.metric)} ±{num(half)} "
+                 f"(95%, n={len(mine)} vs {len(theirs)})"
                  + ("" if ok else ": the interval does not clear it"))
     return ok, text

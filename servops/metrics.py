@@ -242,6 +242,8 @@ def _fmt(v, scale=1.0, digits=1):
 def _pct_cell(row: dict, key: str) -> str:
     """'41.5%', or '41.5% (max 49.0%)' when the ranks disagree."""
     agg = (row.get("gauges") or {}).get(key)
+    if row.get(key) is None:
+        return "-"
     text = _fmt(row.get(key), 100, 1) + "%"
     if agg and agg["ranks"] > 1 and agg["max"] - agg["min"] > 1e-9:
         text += f" (max {agg['max'] * 100:.1f}%)"

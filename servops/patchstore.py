@@ -19,7 +19,7 @@ from unidiff import PatchSet
 from unidiff.errors import UnidiffParseError
 
 from .errors import ServopsError
-from .schema import PATCH_META, SchemaError, check_mapping
+from .schema import PATCH_META, load_mapping
 
 # Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
 PATCH_ROOT = Path(os.environ.get("SERVOPS_PATCHES") or Path(__file__).resolve().parent.parent / "patches")
@@ -93,16 +93,7 @@ def load_patch(path: Path) -> Patch:
     meta_path = path.with_suffix(".yml")
     if not meta_path.exists():
         raise PatchError(f"{path}: metadata {meta_path} is missing")
-    try:
-        meta = yaml.safe_load(meta_path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise PatchError(f"{meta_path}: invalid YAML: {exc}") from None
-    if not isinstance(meta, dict):
-        raise PatchError(f"{meta_path}: must be a mapping")
-    try:
-        meta = check_mapping(meta, PATCH_META, f"{meta_path}: ")
-    except SchemaError as exc:
-        raise PatchError(str(exc)) from None
+    meta = load_mapping(meta_path, PATCH_META, PatchError)
     for key in ("applies_to", "why", "files"):
         if not meta.get(key):
             raise PatchError(f"{meta_path}: '{key}' is required")

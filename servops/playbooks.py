@@ -26,13 +26,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import ServopsError
-from .schema import SchemaError, check_variant
+from .schema import VARIANT, load_mapping
 
 PLAYBOOK_ROOT = Path(os.environ.get("SERVOPS_PLAYBOOKS") or Path(__file__).resolve().parent.parent / "playbooks")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -57,17 +55,8 @@ def _read(name: str, root: Path) -> dict:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in root.glob("*.yml"))) or "none"
         raise VariantError(f"unknown variant {name!r}: no {path} (known: {known})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise VariantError(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
-    if not isinstance(data, dict):
-        raise VariantError(f"{path}: must be a mapping")
-    try:  # types, ranges, env names, flag names, regexes: one line naming the file and key
-        data = check_variant(data, str(path))
-    except SchemaError as exc:
-        raise VariantError(str(exc)) from None
+    # types, ranges, env names, flag names, regexes: one line naming the file and key
+    data = load_mapping(path, VARIANT, VariantError)
     if data.get("when") is not None:
         data["when"] = _check_when(path, name, data["when"])
     return data

@@ -209,9 +209,25 @@ VARIANT = {
 }
 
 
-def check_variant(data: dict, path: str, extra: dict[str, Field] | None = None) -> dict:
-    """A variant file's keys and values (one line naming the file and key on the first error)."""
-    return check_mapping(data, dict(VARIANT, **(extra or {})), f"{path}: ")
+def load_mapping(path, fields: dict[str, Field], error: type[ServopsError]) -> dict:
+    """A YAML file of `fields`: read, parsed and checked, every problem one line (of class
+    `error`) naming the file and the key or line."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise error(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}: "
+                    f"{getattr(exc, 'problem', None) or exc}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: must be a mapping")
+    try:
+        return check_mapping(data, fields, f"{path}: ")
+    except SchemaError as exc:
+        raise error(str(exc)) from None
 
 
 PATCH_META = {

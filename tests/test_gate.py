@@ -139,3 +139,11 @@ def test_push_url_is_checked_up_front(url):
 
 def test_push_url_ok():
     assert validate_url("http://127.0.0.1:9091/") == "http://127.0.0.1:9091"
+
+
+def test_gate_lines_print_plain_numbers_with_units():
+    from servops.gate import num
+
+    assert num(40123.4, "output_tps") == "40,123 tok/s" and "e+" not in num(1.5e6, "output_tps")
+    assert num(512.34, "ttft_p99") == "512.3 ms" and num(0.95, "goodput") == "0.95"
+    assert num(12.5, "request_rate") == "12.5 req/s"

@@ -102,3 +102,10 @@ def test_window_is_histogram_quantile_of_the_bucket_increase():
     assert w["ttft"]["count"] == 4 and w["requests_per_s"] == pytest.approx(0.8)
     import json
     json.loads(json.dumps(second))  # JSON-safe (+Inf buckets as text)
+
+
+def test_a_missing_ratio_prints_a_dash_not_a_dangling_percent():
+    from servops.metrics import _pct_cell
+
+    assert _pct_cell({"token_usage": None}, "token_usage") == "-"
+    assert _pct_cell({"token_usage": 0.415}, "token_usage") == "41.5%"

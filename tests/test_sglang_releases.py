@@ -102,6 +102,9 @@ def test_both_variants_validate_and_deploy_and_a_typo_is_refused(lab, sglang_rel
         status, info = http(port, "/server_info")
         assert status == 200 and info["version"] == version and info["tp_size"] == 8
         assert ("launch_command" in info) == (version == "0.5.23")
+        res = run_invoke("status", inventory=inv, env=benv)  # the server's own version and launch command
+        assert res.returncode == 0 and f" {version} " in res.stdout.replace("│", " ")
+        assert ("launched as:" in res.stdout and "--cuda-graph-max-bs-decode 256" in res.stdout) == (version == "0.5.23")
         res = run_invoke("deploy", "--variant", "piecewise", inventory=inv, env=benv)
         assert res.returncode == 0, res.stdout + res.stderr
         assert f"patches: apply {PATCH}" in res.stdout

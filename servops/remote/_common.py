@@ -200,3 +200,23 @@ def append_journal(path, entry):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_with(path, data, mode=0o600, tmp=None):
+    """Make `path` hold `data` (bytes or text): a synced temp file renamed over it, so a reader
+    sees the old or the new content, never half; the temp file goes if anything fails."""
+    tmp = tmp or "%s.tmp-%d" % (path, os.getpid())
+    if isinstance(data, str):
+        data = data.encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise

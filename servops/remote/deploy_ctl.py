@@ -21,22 +21,6 @@ def now_iso():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def write_atomic(path, text, mode=0o600):
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def release_dir(name):
     """A release named as `releases` lists it; never a path."""
     if not NAME_RE.fullmatch(name or ""):
@@ -126,7 +110,7 @@ def take_lock(owner):
     (fails if a lock exists). A failed write leaves no lock at all, never an empty one."""
     os.makedirs(ROOT, mode=0o700, exist_ok=True)
     tmp = LOCKFILE + ".new-%d" % os.getpid()
-    write_atomic(tmp, json.dumps(owner))
+    replace_with(tmp, json.dumps(owner))
     try:
         os.link(tmp, LOCKFILE)
         return True
@@ -172,7 +156,7 @@ def mark_orphans(owner):
             meta = read_json(path, {}) or {}
             meta.update(status="interrupted", failure="the deploy that made it did not finish (superseded by %s)"
                         % owner.get("action"))
-            write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+            replace_with(path, json.dumps(meta, indent=1, sort_keys=True))
             journal({"action": "release.interrupted", "release": rel["name"], "who": owner.get("who"),
                      "detail": "its deploy did not finish"})
             names.append(rel["name"])
@@ -209,7 +193,7 @@ def op_prepare():
         for rel, spec in ARGS["files"].items():
             if "/" in rel or rel.startswith("."):
                 fail("release file name %r" % rel)
-            write_atomic(os.path.join(d, rel), spec["text"], spec.get("mode", 0o600))
+            replace_with(os.path.join(d, rel), spec["text"], spec.get("mode", 0o600))
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)  # a failed prepare leaves no half release behind
         raise
@@ -229,7 +213,7 @@ def op_mark():
     path = os.path.join(release_dir(ARGS["name"]), "release.json")
     meta = read_json(path, {}) or {}
     meta.update(ARGS["fields"])
-    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+    replace_with(path, json.dumps(meta, indent=1, sort_keys=True))
     if ARGS.get("journal"):
         journal(ARGS["journal"])
     return {"ok": True}
@@ -347,7 +331,7 @@ def start_server(name, port):
     log.close()
     info = {"pid": proc.pid, "pgid": proc.pid, "starttime": proc_starttime(proc.pid), "release": name,
             "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
-    write_atomic(PIDFILE, json.dumps(info))
+    replace_with(PIDFILE, json.dumps(info))
     return info
 
 
@@ -701,7 +685,7 @@ def write_fields(name, fields):
     path = os.path.join(release_dir(name), "release.json")
     meta = read_json(path, {}) or {}
     meta.update(fields)
-    write_atomic(path, json.dumps(meta, indent=1, sort_keys=True))
+    replace_with(path, json.dumps(meta, indent=1, sort_keys=True))
 
 
 def undo_patches(spec):

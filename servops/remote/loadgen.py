@@ -254,65 +254,72 @@ def new_record(req):
             "usage_source": None, "server_prompt_tokens": None, "dispatch": None}
 
 
+async def sse(session, url, payload, rec):
+    """POST `payload` and stream the answer's server-sent events: yields (arrival time, parsed
+    JSON) per data line. Times the request into `rec` (start, latency, the client's own CPU time,
+    which includes the caller's handling of each event); a non-200 answer becomes rec['error']."""
+    t0 = time.perf_counter()
+    body = json.dumps(payload).encode()
+    start = time.perf_counter()
+    rec["start"] = start
+    rec["client_s"] += start - t0
+    status, buf = None, b""
+    async for chunk in session.stream("POST", url, body):
+        if status is None:
+            status = chunk[0]
+            continue
+        t_chunk = time.perf_counter()
+        buf += chunk
+        if status != 200:
+            continue
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data != b"[DONE]":
+                        yield t_chunk, json.loads(data)
+        rec["client_s"] += time.perf_counter() - t_chunk
+    rec["latency"] = time.perf_counter() - start
+    if status != 200:
+        rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
+
+
+def finish_record(rec, produced):
+    if not rec["error"]:
+        rec["ok"] = produced > 0
+        if not rec["ok"]:
+            rec["error"] = "no tokens streamed"
+    return rec
+
+
 async def one_completion(session, url, req, model, rec):
     """/v1/completions, streamed; output tokens from the final `usage` chunk."""
-    t0 = time.perf_counter()
     payload = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    text = rec["text"]
-    itl = rec["itl"]
-    chunks = 0
-    usage = None
-    start = time.perf_counter()
-    last = None
+    text, itl = rec["text"], rec["itl"]
+    chunks, usage, last = 0, None, None
     try:
-        body = json.dumps(payload).encode()
-        start = time.perf_counter()
-        rec["start"] = start
-        rec["client_s"] += start - t0
-        status = None
-        buf = b""
-        async for chunk in session.stream("POST", url, body):
-            if status is None:
-                status = chunk[0]
-                continue
-            t_chunk = time.perf_counter()
-            if status != 200:
-                buf += chunk
-                continue
-            buf += chunk
-            if True:
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            continue
-                        obj = json.loads(data)
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                        choices = obj.get("choices")
-                        if choices:
-                            piece = choices[0].get("text")
-                            if piece:
-                                if last is None:
-                                    rec["ttft"] = t_chunk - start
-                                else:
-                                    itl.append(t_chunk - last)
-                                last = t_chunk
-                                text.append(piece)
-                                chunks += 1
-                        elif obj.get("error") or obj.get("object") == "error":
-                            rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
-            rec["client_s"] += time.perf_counter() - t_chunk
-        rec["latency"] = time.perf_counter() - start
-        if status != 200:
-            rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
-            return rec
+        async for t_chunk, obj in sse(session, url, payload, rec):
+            if obj.get("usage"):
+                usage = obj["usage"]
+            choices = obj.get("choices")
+            if choices:
+                piece = choices[0].get("text")
+                if piece:
+                    if last is None:
+                        rec["ttft"] = t_chunk - rec["start"]
+                    else:
+                        itl.append(t_chunk - last)
+                    last = t_chunk
+                    text.append(piece)
+                    chunks += 1
+            elif obj.get("error") or obj.get("object") == "error":
+                rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
     except Exception as exc:  # connection refused/reset: the server went away
         rec["error"] = "%s: %s" % (type(exc).__name__, exc)
+        return rec
+    if rec["error"].startswith("HTTP "):
         return rec
     if usage and usage.get("completion_tokens") is not None:
         rec["output_len"] = int(usage["completion_tokens"])
@@ -321,81 +328,43 @@ async def one_completion(session, url, req, model, rec):
     else:
         rec["output_len"] = chunks
         rec["usage_source"] = "chunks"
-    if not rec["error"]:
-        rec["ok"] = chunks > 0
-        if not rec["ok"]:
-            rec["error"] = "no tokens streamed"
-    return rec
+    return finish_record(rec, chunks)
 
 
 async def one_generate(session, url, req, model, rec):
     """SGLang's native /generate with input_ids (random-ids), streamed with cumulative text."""
-    t0 = time.perf_counter()
     prompt = req["prompt"]
     payload = {("input_ids" if isinstance(prompt, list) else "text"): prompt, "stream": True,
                "sampling_params": {"max_new_tokens": req["output_len"], "temperature": 0.0, "ignore_eos": True}}
     itl = rec["itl"]
-    start = time.perf_counter()
-    last = None
-    out_len = 0
-    generated = ""
+    last, out_len, generated = None, 0, ""
     try:
-        body = json.dumps(payload).encode()
-        start = time.perf_counter()
-        rec["start"] = start
-        rec["client_s"] += start - t0
-        status = None
-        buf = b""
-        async for chunk in session.stream("POST", url, body):
-            if status is None:
-                status = chunk[0]
-                continue
-            t_chunk = time.perf_counter()
-            buf += chunk
-            if status != 200:
-                continue
-            if True:
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            continue
-                        obj = json.loads(data)
-                        meta = obj.get("meta_info") or {}
-                        if obj.get("text"):
-                            n_now = int(meta.get("completion_tokens", out_len + 1))
-                            if last is None:
-                                rec["ttft"] = t_chunk - start
-                            else:
-                                new = n_now - out_len
-                                if new <= 0:
-                                    continue
-                                itl.extend([(t_chunk - last) / new] * new)  # as bench_serving does
-                            last = t_chunk
-                            out_len = n_now
-                            generated = obj["text"]
-                            rec["server_prompt_tokens"] = meta.get("prompt_tokens")
-                        elif obj.get("error"):
-                            rec["error"] = "server error in stream: %s" % str(obj["error"])[:300]
-            rec["client_s"] += time.perf_counter() - t_chunk
-        rec["latency"] = time.perf_counter() - start
-        if status != 200:
-            rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
-            return rec
+        async for t_chunk, obj in sse(session, url, payload, rec):
+            meta = obj.get("meta_info") or {}
+            if obj.get("text"):
+                n_now = int(meta.get("completion_tokens", out_len + 1))
+                if last is None:
+                    rec["ttft"] = t_chunk - rec["start"]
+                else:
+                    new = n_now - out_len
+                    if new <= 0:
+                        continue
+                    itl.extend([(t_chunk - last) / new] * new)  # as bench_serving does
+                last = t_chunk
+                out_len = n_now
+                generated = obj["text"]
+                rec["server_prompt_tokens"] = meta.get("prompt_tokens")
+            elif obj.get("error"):
+                rec["error"] = "server error in stream: %s" % str(obj["error"])[:300]
     except Exception as exc:
         rec["error"] = "%s: %s" % (type(exc).__name__, exc)
+        return rec
+    if rec["error"].startswith("HTTP "):
         return rec
     rec["text"] = [generated]
     rec["output_len"] = out_len
     rec["usage_source"] = "meta_info"
-    if not rec["error"]:
-        rec["ok"] = out_len > 0
-        if not rec["ok"]:
-            rec["error"] = "no tokens streamed"
-    return rec
+    return finish_record(rec, out_len)
 
 
 # ---------------------------------------------------------------------------------- statistics

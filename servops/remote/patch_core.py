@@ -45,14 +45,7 @@ def fsync_dir(path):
 
 def write_durable(path, data, mode=0o600):
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    replace_with(path, data, mode)
 
 
 def read(path):
@@ -123,15 +116,8 @@ def put(site, rel, data, mode):
         if os.path.lexists(target):
             os.unlink(target)
         return
-    tmp = tmp_path(site, rel)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, target)
+    replace_with(target, data, mode, tmp=tmp_path(site, rel))
 
 
 def begin(op, patch_name, site, changes, state_after, backup):
