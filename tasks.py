@@ -311,17 +311,14 @@ def compare(c, first, second, more="", out="", hosts=None, inventory=None):
 
     variants = [first, second] + [v.strip() for v in more.split(",") if v.strip()]
     inv, targets = select(inventory, hosts)
-    run = VerbRun(inv, targets)
-    for h in targets:  # local files only: no connection
-        try:
-            results = cmp.load_pair(h.name, list(variants))
-        except Exception as exc:  # noqa: BLE001 - reported per host
-            run.recap.mark(h.name, FAILED, str(exc))
-            continue
+
+    def op(h):  # local files only: no connection
+        results = cmp.load_pair(h.name, list(variants))
         cmp.print_compare(h.name, results)
         png = Path(out) if out and len(targets) == 1 else RESULTS_ROOT / h.name / f"compare-{'-vs-'.join(variants)}.png"
-        run.recap.mark(h.name, OK, f"plot: {cmp.plot(h.name, results, png)}")
-    return run.recap
+        return OK, f"plot: {cmp.plot(h.name, results, png)}"
+
+    return VerbRun(inv, targets).local(op).recap
 
 
 @servops_task(help=_DEPLOY_HELP)
@@ -549,15 +546,8 @@ def tune_report(c, campaign, hosts=None, inventory=None):
 
     camp = load_campaign(campaign)
     inv, targets = select(inventory, hosts)
-    run = VerbRun(inv, targets)
-    for h in targets:  # local files only: no connection
-        try:
-            md, html = tunereport.write_report(h.name, camp)
-        except Exception as exc:  # noqa: BLE001 - reported per host
-            run.recap.mark(h.name, FAILED, str(exc))
-            continue
-        run.recap.mark(h.name, OK, f"wrote {md} and {html}")
-    return run.recap
+    return VerbRun(inv, targets).local(
+        lambda h: (lambda md, html: (OK, f"wrote {md} and {html}"))(*tunereport.write_report(h.name, camp))).recap
 
 
 tune_ns = Collection("tune")

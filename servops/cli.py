@@ -180,6 +180,21 @@ class VerbRun:
             run_on_groups(session, groups or [[h] for h in self.targets], wrapped, self.recap, **fleet_kwargs)
         return self
 
+    def local(self, op: Callable[[Host], tuple]) -> "VerbRun":
+        """For verbs that read only local files (results/): op(host) per host, no connection;
+        a failure is that host's failed line."""
+        self.recap.expect([h.name for h in self.targets])
+        for host in self.targets:
+            try:
+                status, message, *data = op(host)
+            except (ServopsError, OSError, ValueError) as exc:
+                self.recap.mark(host.name, "failed", str(exc))
+                continue
+            if data:
+                self.results[host.name] = data[0]
+            self.recap.mark(host.name, status, message)
+        return self
+
     def each(self) -> Iterator[tuple[Host, Any]]:
         for host in self.targets:
             if host.name in self.results:

@@ -105,6 +105,19 @@ def table(title: str, columns: list[str]):
 
 
 def print_table(t, con=None) -> None:
-    """Print a table whole: piped output gets the table's natural width, never cut names."""
+    """Print a table whole: piped output gets the table's natural width, never cut names
+    (a terminal's width still applies on a terminal)."""
     con = con or console
-    con.print(t, width=None if con.is_terminal else 10_000)
+    if con.is_terminal:
+        con.print(t)
+        return
+    from rich.measure import Measurement
+
+    real = getattr(con, "_console", None) or con  # the rich Console behind the lazy wrapper
+    natural = Measurement.get(real, real.options.update(max_width=100_000), t).maximum
+    saved = real.width
+    real.width = max(saved, natural)
+    try:
+        real.print(t)
+    finally:
+        real.width = saved

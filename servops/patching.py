@@ -36,8 +36,8 @@ def _run(hs: HostSession, op: str, **args) -> dict:
     return res
 
 
-def status(hs: HostSession, patches: list[Patch]) -> list[dict]:
-    res = _run(hs, "status", patches=[p.remote_spec() for p in patches])
+def status(hs: HostSession, patches: list[Patch], lock_timeout: int = 30) -> list[dict]:
+    res = _run(hs, "status", patches=[p.remote_spec() for p in patches], lock_timeout=lock_timeout)
     rows = []
     for patch, entry in zip(patches, res["patches"]):
         state = _REMOTE_STATE[entry["state"]]
@@ -48,8 +48,8 @@ def status(hs: HostSession, patches: list[Patch]) -> list[dict]:
     return rows
 
 
-def _check_version(hs: HostSession, patch: Patch, force: bool) -> str:
-    row = status(hs, [patch])[0]
+def _check_version(hs: HostSession, patch: Patch, force: bool, lock_timeout: int) -> str:
+    row = status(hs, [patch], lock_timeout)[0]
     if row["state"] == NOT_INSTALLED:
         raise PatchError(f"{hs.host.name}: {patch.distribution} is not installed in {hs.host.venv}")
     if not patch.version_ok(row["version"]) and not force:
@@ -60,7 +60,7 @@ def _check_version(hs: HostSession, patch: Patch, force: bool) -> str:
 
 def apply(hs: HostSession, patch: Patch, dry_run: bool = False, force: bool = False,
           lock_timeout: int = 30) -> dict:
-    version = _check_version(hs, patch, force)
+    version = _check_version(hs, patch, force, lock_timeout)
     res = _run(hs, "apply", patch=patch.remote_spec(), dry_run=dry_run, expect_version=version,
                lock_timeout=lock_timeout)
     return {"status": CHANGED if res["result"] == "changed" else OK, "message": res["message"], "diff": res["diff"]}

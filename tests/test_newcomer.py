@@ -195,3 +195,17 @@ def test_invoke_from_a_subdirectory_and_without_servops(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(shadow)))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith("error: servops cannot load") and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_status_piped_never_cuts_a_release_name(lab, tmp_path):
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port()}})
+    name = "a-variant-with-a-rather-long-name-as-tuning-trials-get"
+    books = playbooks_with(tmp_path, **{name: "extends: baseline\n"})
+    env = {"SERVOPS_PLAYBOOKS": str(books), "COLUMNS": "60"}  # a narrow terminal width, but piped
+    try:
+        assert run_invoke("deploy", "--variant", name, inventory=inv, env=env).returncode == 0
+        res = run_invoke("status", inventory=inv, env=env)
+        release = os.readlink(lab.tmp / "deploy-lab1" / "current").split("/")[-1]
+        assert res.returncode == 0 and any(release in line for line in res.stdout.splitlines()), res.stdout
+    finally:
+        run_invoke("stop", "--grace", "2", inventory=inv)
