@@ -152,7 +152,7 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
 
     `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
     the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
-    reason, elapsed, and whether the rollback brought the previous release back."""
+    reason, elapsed and the log's path."""
     variant = load_variant(variant) if isinstance(variant, str) else variant
     variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
@@ -226,6 +226,17 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         if diff:
             for n in nodes:
                 print_script_diff(n.hs, n.root, previous[n.hs.host.name], n.name)
+        for n in nodes:
+            prev = previous[n.hs.host.name]
+            target = next((r for r in listings[n.hs.host.name]["releases"] if r["name"] == prev), None)
+            n.guard = {"lease_timeout": float(n.hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
+                       "health_timeout": health_timeout(n.hs, n.meta["health"]), "port": n.meta["port"],
+                       "health": n.meta["health"], "signatures": signatures(n.meta),
+                       "stop_grace": n.meta.get("stop_grace", 30), "lock_id": locks[nodes.index(n)]["id"],
+                       "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
+                       "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
+            releases.ctl(n.hs, "journal", entry={"action": "deploy.start", "who": operator(), "release": n.name,
+                                                 "variant": variant_name, "previous": prev, "patches": changes})
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()
@@ -238,17 +249,6 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
             record.update(release=None, state="interrupted", reason="before the server was touched")
             return FAILED, "interrupted before the server was touched: nothing changed"
         raise
-    for n in nodes:
-        prev = previous[n.hs.host.name]
-        target = next((r for r in listings[n.hs.host.name]["releases"] if r["name"] == prev), None)
-        n.guard = {"lease_timeout": float(n.hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
-                   "health_timeout": health_timeout(n.hs, n.meta["health"]), "port": n.meta["port"],
-                   "health": n.meta["health"], "signatures": signatures(n.meta),
-                   "stop_grace": n.meta.get("stop_grace", 30), "lock_id": locks[nodes.index(n)]["id"],
-                   "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
-                   "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
-        releases.ctl(n.hs, "journal", entry={"action": "deploy.start", "who": operator(), "release": n.name,
-                                             "variant": variant_name, "previous": prev, "patches": changes})
     n0 = nodes[0]
     # The point of no return. From here every failure, exception or Ctrl-C ends in a rollback.
     try:

@@ -73,18 +73,28 @@ class Recap:
         stderr, the others on stdout, each flushed so a terminal shows them in order."""
         if not self.hosts:
             return
-        from rich.text import Text
-
         names = [n for n in self.order if n in self.hosts] + [n for n in self.hosts if n not in self.order]
-        (err_console if self.machine_output else console).print()
+        first = True
         for name in names:
             out = self.hosts[name]
             last = out.messages[-1] if out.messages else ""
-            line = Text(name, style=_STYLE[out.status])
-            line.append(f" : {out.status}" + (f" - {last}" if last else ""))
-            con = err_console if out.status == FAILED or self.machine_output else console
-            con.print(line)
-            con.file.flush()
+            text = f"{name} : {out.status}" + (f" - {last}" if last else "")
+            to_err = out.status == FAILED or self.machine_output
+            stream = sys.stderr if to_err else sys.stdout
+            if first:
+                stream.write("\n")
+                first = False
+            if stream.isatty():  # colour on a terminal; piped output never pays rich's import
+                from rich.text import Text
+
+                con = err_console if to_err else console
+                line = Text(name, style=_STYLE[out.status])
+                line.append(text[len(name):])
+                con.print(line)
+                con.file.flush()
+            else:
+                stream.write(text + "\n")
+                stream.flush()
 
 
 def table(title: str, columns: list[str]):
