@@ -214,7 +214,9 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         phases.step("upload", f"new release for {variant_name}")
         for (hs, resolved, launch, actions), lock in zip(prepared, locks):
             files = release_files(hs, resolved, launch, wanted)
-            res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files)
+            res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files,
+                               journal={"action": "deploy.start", "who": operator(), "variant": variant_name,
+                                        "previous": previous[hs.host.name], "patches": [f"{a} {p.name}" for a, p in actions]})
             made.append((hs, res["name"]))
             nodes.append(Node(hs, res["name"], json.loads(files["release.json"]["text"]), lock["root"]))
         changes = []
@@ -233,10 +235,9 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
                        "health_timeout": health_timeout(n.hs, n.meta["health"]), "port": n.meta["port"],
                        "health": n.meta["health"], "signatures": signatures(n.meta),
                        "stop_grace": n.meta.get("stop_grace", 30), "lock_id": locks[nodes.index(n)]["id"],
-                       "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
+                       "previous": target and {"name": target["name"], "port": target.get("port"),
+                                               "health": target.get("health")},
                        "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
-            releases.ctl(n.hs, "journal", entry={"action": "deploy.start", "who": operator(), "release": n.name,
-                                                 "variant": variant_name, "previous": prev, "patches": changes})
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()

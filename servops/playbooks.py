@@ -30,7 +30,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import ServopsError
-from .schema import VARIANT, load_mapping
+from .schema import FLAG, VARIANT, load_mapping
 
 PLAYBOOK_ROOT = Path(os.environ.get("SERVOPS_PLAYBOOKS") or Path(__file__).resolve().parent.parent / "playbooks")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -40,7 +40,7 @@ _LISTS = ("patches", "crash_signatures")
 # No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
-WHEN_KEYS = ("sglang", "note", "server_args", "env", "health")
+WHEN_KEYS = ("sglang", "note", "rename", "server_args", "env", "health")
 _WHEN_MAPS = ("server_args", "env", "health")
 
 
@@ -88,8 +88,15 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
         for key in _WHEN_MAPS:
             if key in rule and rule[key] is not None and not isinstance(rule[key], dict):
                 raise VariantError(f"{where}.{key}: must be a mapping")
-        if not any(rule.get(k) for k in _WHEN_MAPS):
-            raise VariantError(f"{where}: sets nothing; give server_args, env or health")
+        rename = rule.get("rename")
+        if rename is not None:
+            if not isinstance(rename, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and FLAG.fullmatch(k) and FLAG.fullmatch(v)
+                    for k, v in rename.items()):
+                raise VariantError(f"{where}.rename: a mapping of old flag -> new flag, e.g. "
+                                   f"{{cuda-graph-max-bs: cuda-graph-max-bs-decode}}")
+        if not any(rule.get(k) for k in _WHEN_MAPS + ("rename",)):
+            raise VariantError(f"{where}: sets nothing; give rename, server_args, env or health")
         if "note" in rule and not isinstance(rule["note"], str):
             raise VariantError(f"{where}.note: must be text")
         out.append(dict(rule, sglang=spec.strip(), source=name))
@@ -149,7 +156,7 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
 
 def describe_rule(rule: dict) -> str:
     """'piecewise.yml when sglang >=0.5.23: -enable-piecewise-cuda-graph +cuda-graph-backend-prefill=breakable (note)'"""
-    changes = []
+    changes = [f"{old}->{new}" for old, new in (rule.get("rename") or {}).items()]
     for key in _WHEN_MAPS:
         for k, v in (rule.get(key) or {}).items():
             prefix = "" if key == "server_args" else f"{key}."
@@ -187,6 +194,13 @@ def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
     applied = []
     for i in indexes:
         rule = rules[i]
+        if rule.get("rename"):
+            # A flag whose name changed keeps the value the variant (or a child, or a tuning
+            # trial) gave it: `cuda-graph-max-bs: 128` becomes `cuda-graph-max-bs-decode: 128`.
+            args = {}
+            for k, v in out["server_args"].items():
+                args[rule["rename"].get(k, k)] = v
+            out = dict(out, server_args=args)
         out = _merge(out, {k: rule[k] for k in _WHEN_MAPS if rule.get(k)})
         applied.append(describe_rule(rule))
     out["when"] = []

@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 
+from conftest import REPO
 from servops.inventory import parse_inventory
 from servops.launchcheck import LaunchCheck, LaunchRefused, _problem_lines, raise_if_refused
 from servops.playbooks import VariantError, load_variant, resolve, when_branches
@@ -39,10 +40,24 @@ def test_shipped_variants_map_intent_per_release():
     resolved, rules = resolve(pw, None)
     assert rules == [] and resolved["server_args"]["enable-piecewise-cuda-graph"] is True
     _, rules = resolve(pw, "0.5.23")
-    assert rules == ["baseline.yml when sglang >=0.5.14: -cuda-graph-max-bs +cuda-graph-max-bs-decode=256 "
+    assert rules == ["baseline.yml when sglang >=0.5.14: cuda-graph-max-bs->cuda-graph-max-bs-decode "
                      "+cuda-graph-backend-prefill=disabled (per-phase CUDA graph flags; prefill graph off as on 0.5.9)",
                      "piecewise.yml when sglang >=0.5.22: -enable-piecewise-cuda-graph "
                      "+cuda-graph-backend-prefill=breakable (tc_piecewise removed; the breakable prefill graph replaces it)"]
+
+
+def test_a_renamed_flag_keeps_the_value_a_child_or_trial_gave_it(tmp_path):
+    """cuda-graph-max-bs: 128 in a child of baseline is --cuda-graph-max-bs-decode 128 on 0.5.23,
+    not the parent's 256."""
+    root = tmp_path / "books"
+    root.mkdir()
+    for f in (REPO / "playbooks").glob("*.yml"):
+        (root / f.name).write_text(f.read_text())
+    (root / "small.yml").write_text("extends: baseline\nserver_args: {cuda-graph-max-bs: 128}\n")
+    a = render_launch(HOST, resolve(load_variant("small", root), "0.5.23")[0]).argv
+    assert "--cuda-graph-max-bs" not in a and a[a.index("--cuda-graph-max-bs-decode") + 1] == "128"
+    a = render_launch(HOST, resolve(load_variant("small", root), "0.5.9")[0]).argv
+    assert a[a.index("--cuda-graph-max-bs") + 1] == "128"
 
 
 def test_rules_merge_like_extends_in_order_child_last(tmp_path):

@@ -204,3 +204,21 @@ class TableRows(HTMLParser):
     def handle_data(self, data):
         if self.key and self.row is not None:
             self.row[self.key] += data
+
+
+def test_every_candidate_passes_the_launch_preflight_before_the_first_restart(lab, sglang_release, tmp_path):
+    """On a host with sglang 0.5.23, a typo in the last candidate is refused in seconds, naming the
+    trial, the flag and the version, before any trial is deployed."""
+    env = sglang_release("0.5.23")
+    inv = lab.inventory(host_vars={"lab1": {"venv": str(env["venv"]), "server_port": free_port()}})
+    camp = tmp_path / "camps" / "typo.yml"
+    camp.parent.mkdir()
+    camp.write_text("base: baseline\ncandidates:\n  - variant: piecewise\n  - name: later\n"
+                    "    server_args: {cuda-graph-max-bz: 128}\n"
+                    "bench: {levels: [1]}\nobjective: {maximize: output_tps@1}\n")
+    started = time.monotonic()
+    res = run_invoke("tune", "typo", "-H", "lab1", inventory=inv,
+                     env={"SERVOPS_CAMPAIGNS": str(camp.parent), "SERVOPS_RESULTS": str(tmp_path / "results")})
+    assert res.returncode == 2 and time.monotonic() - started < 120
+    assert "trial later" in res.stderr and "--cuda-graph-max-bz: unrecognized on sglang 0.5.23" in res.stderr
+    assert not (lab.tmp / "deploy-lab1" / "releases").exists()

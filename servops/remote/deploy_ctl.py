@@ -197,6 +197,8 @@ def op_prepare():
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)  # a failed prepare leaves no half release behind
         raise
+    if ARGS.get("journal"):
+        journal(dict(ARGS["journal"], release=name))
     return {"name": name, "dir": d}
 
 
