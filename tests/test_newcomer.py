@@ -142,8 +142,10 @@ def test_ctrl_c_during_a_deploy_rolls_back_and_says_so(lab, tmp_path):
         assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
         root = lab.tmp / "deploy-lab1"
         good = os.readlink(root / "current").split("/")[-1]
+        # Ctrl-C as a terminal delivers it (a background CI job inherits SIGINT ignored)
         proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         out = ""
         deadline = time.time() + 60
         while time.time() < deadline and "health" not in out:
