@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from servops.lab.sshd import free_port
 from conftest import REPO, playbooks_with, run_invoke
@@ -26,6 +27,20 @@ def deploy_lab(lab):
     run_invoke("stop", "--grace", "2", inventory=inv)
 
 
+
+
+def remote_programs(ssh_port: int) -> list[int]:
+    """servops programs (`python -`) still running from an SSH session on this lab sshd."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if args[-2:] == [b"-", b""] and f" {ssh_port}\0".encode() in env.split(b"SSH_CONNECTION=", 1)[-1][:80] + b"\0":
+            pids.append(int(pid))
+    return pids
 
 
 def port_of(inv: Path) -> int:
@@ -212,6 +227,12 @@ def test_logs_stop_and_status(deploy_lab):
     follower.terminate()
     out = follower.communicate(timeout=10)[0]
     assert "a line written while following" in out
+    # the follower's program on the host goes with its SSH session: nothing left tailing
+    port = yaml.safe_load(inv.read_text())["all"]["children"]["lab"]["hosts"]["lab1"]["ssh_port"]
+    deadline = time.time() + 10
+    while time.time() < deadline and remote_programs(port):
+        time.sleep(0.2)
+    assert remote_programs(port) == []
     res = run_invoke("stop", "--dry-run", inventory=inv)
     assert res.returncode == 0 and "would stop pid" in res.stdout
     assert health(port_of(inv)) is not None

@@ -532,7 +532,9 @@ def op_follow():
     mask = masker(name)
     pos = os.path.getsize(path) if os.path.exists(path) else 0
     partial = ""
-    while True:
+    parent = os.getppid()
+    while os.getppid() == parent:  # the SSH session ended (Ctrl-C): nobody reads us any more
+
         try:
             with open(path, "rb") as fh:
                 if os.fstat(fh.fileno()).st_size < pos:
@@ -550,6 +552,7 @@ def op_follow():
                 sys.stdout.write("".join(mask(l) + "\n" for l in lines))
                 sys.stdout.flush()
         time.sleep(0.2)
+    return {}
 
 
 def op_prune():
