@@ -122,15 +122,19 @@ def test_kill_at_every_step_leaves_all_old_or_all_new(crash_venv, op):
     reset(v, applied=False)
 
 
-def test_patch_state_is_per_venv_not_per_inventory(crash_venv):
-    """Two operators (or inventory entries) on one venv see one state, whatever their settings."""
-    v = crash_venv
-    reset(v, applied=False)
-    rc, res = run_patch_op(v, op="apply", patch=v["spec"], state_dir="/tmp/one")
-    assert rc == 0 and res["message"] == "applied"
-    rc, res = run_patch_op(v, op="apply", patch=v["spec"], state_dir="/tmp/other")
-    assert rc == 0 and res["message"] == "already applied" and res["state_root"] == str(v["state"])
-    reset(v, applied=False)
+def test_patch_state_is_per_venv_not_per_inventory(lab, remote_env):
+    """Two inventory entries (other sshd, other deploy_root) on one venv see one patch state."""
+    inv = lab.inventory(n_hosts=2)
+    res = run_invoke("patch.apply", "cuda-version-no-subprocess", "-H", "lab1", inventory=inv)
+    assert res.returncode == 0 and "lab1 : changed - applied" in res.stdout
+    res = run_invoke("patch.status", "-H", "lab2", inventory=inv)
+    row = next(l for l in res.stdout.splitlines() if "cuda-version-no-subprocess" in l)
+    assert " applied" in row and "not applied" not in row
+    res = run_invoke("patch.apply", "cuda-version-no-subprocess", "-H", "lab2", inventory=inv)
+    assert "lab2 : ok - already applied" in res.stdout and "recorded it now" not in res.stdout
+    assert run_invoke("patch.revert", "cuda-version-no-subprocess", "-H", "lab2", inventory=inv).returncode == 0
+    res = run_invoke("patch.status", "-H", "lab1", inventory=inv)
+    assert "not applied" in res.stdout
 
 
 def test_applied_but_unrecorded_is_derived_from_the_files(crash_venv):
