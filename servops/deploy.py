@@ -29,7 +29,7 @@ from .output import CHANGED, FAILED, console, err_console
 from .playbooks import load_variant
 from .progress import Phases
 from .provenance import REPO, git_sha, operator
-from .redact import secret_values
+from .redact import variant_secrets
 from .render import Launch, render_launch
 from .transport import HostSession
 
@@ -156,7 +156,7 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
     variant = load_variant(variant) if isinstance(variant, str) else variant
     variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
-        hs.redactor.add(secret_values(variant["env"], hs.host.get("secret_vars") or ()))
+        hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
     wanted = [] if skip_patches else list(variant["patches"])
     validate(variant, nodes, gate, push_url)
     per_node = node_args(variant, nodes)
@@ -165,6 +165,7 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
     prepared = []
     for hs, extra in zip(nodes, per_node):
         resolved, launch, check = preflight(hs, with_args(variant, extra))
+        hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
         phases.step("preflight", f"{hs.host.name}: {check.summary()}"
                     + "".join(f"; rule: {r}" for r in check.rules))
         prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))

@@ -27,6 +27,12 @@ def is_secret_name(name: str) -> bool:
     return words[-1] == "KEY" and len(words) > 1 and words[-2] in _KEY_QUALIFIERS
 
 
+def variant_secrets(variant: Mapping[str, Any], extra_names: Iterable[str] = ()) -> set[str]:
+    """A variant's secret values: its env's, and those of flags named like secrets (--api-key)."""
+    args = {k.lstrip("-"): v for k, v in (variant.get("server_args") or {}).items() if not isinstance(v, bool)}
+    return secret_values(variant.get("env") or {}, extra_names) | secret_values(args)
+
+
 def secret_values(mapping: Mapping[str, Any], extra_names: Iterable[str] = ()) -> set[str]:
     """Secret values found in a (possibly nested) mapping of variables."""
     names = set(extra_names)

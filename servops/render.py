@@ -139,6 +139,14 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     secret = secret_names(host)
     secret_env = {k: v for k, v in launch_env.items() if is_secret_name(k) or k in secret}
     plain_env = {k: v for k, v in launch_env.items() if k not in secret_env}
+    # A secret passed as a flag (--api-key sk-...) goes the same way: into the secrets file under
+    # a generated name, the script saying "$SERVOPS_ARG_API_KEY".
+    for key, value in args.items():
+        flag = key.lstrip("-")
+        if is_secret_name(flag) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            text = str(value)
+            if text and text not in secret_env.values():
+                secret_env["SERVOPS_ARG_" + re.sub(r"[^A-Za-z0-9]", "_", flag).upper()] = text
     context.update(argv=argv, argv_shell=shell_words(argv, secret_env), env=plain_env,
                    secret_env=sorted(secret_env), server_args=args)
     try:

@@ -323,6 +323,15 @@ def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(hlab, tmp
     res = run_invoke("deploy", "--variant", "secretcrash", "--skip-patches", inventory=inv, env=env)
     assert res.returncode == 2 and "server.log excerpt" in res.stderr
     outputs.append(res)
+    # a secret given only as a flag (--api-key <literal>) goes to the secrets file too
+    (tmp_path / "b2").mkdir()
+    books2 = playbooks_with(tmp_path / "b2", flagonly=f"extends: baseline\nserver_args: {{api-key: {TOKEN}x}}\n")
+    res = run_invoke("render", "--variant", "flagonly", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books2)})
+    assert res.returncode == 0 and '--api-key "$SERVOPS_ARG_API_KEY"' in res.stdout
+    outputs.append(res)
+    res = run_invoke("deploy", "--variant", "flagonly", "--diff", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books2)})
+    assert res.returncode == 0 and "--api-key ***" in run_invoke("logs", inventory=inv).stdout
+    outputs.append(res)
     for r in outputs:
         assert TOKEN not in r.stdout + r.stderr
     # On the host: private files, the script holds no secret, variant.yml holds it masked.
