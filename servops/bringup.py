@@ -62,31 +62,30 @@ class LeaseKeeper:
                 except Exception:  # noqa: BLE001 - a missed renewal is what the guard is for
                     pass
 
-    def __enter__(self) -> "LeaseKeeper":
+    def start(self) -> "LeaseKeeper":
         if self.nodes:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
 
 def stop_switch_start(nodes: list[Node], phases: Phases) -> None:
-    """Arm the host guard (deploys), stop what runs, point `current` at each node's release,
-    start rank 0 first. One SSH command per node for a single-node server: a controller that dies
-    mid-way leaves the host program to finish the step, and the guard to judge the result."""
+    """Stop what runs, point `current` at each node's release, start rank 0 first. One SSH command
+    per node for a single-node server: a controller that dies mid-way leaves the host program to
+    finish the step, and a deploy's guard (armed with the release) to judge the result."""
     single = len(nodes) == 1
     for n in nodes:
         grace = float(n.meta.get("stop_grace", 30))
-        steps = [{"op": "arm", "name": n.name, "guard": n.guard}] if n.guard else []
-        steps += [{"op": "stop", "grace": grace, "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
-                  {"op": "switch", "name": n.name}]
+        steps = [{"op": "stop", "grace": grace, "restart_of": n.name,
+                  "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
+                 {"op": "switch", "name": n.name}]
         if single:
             steps.append({"op": "start", "name": n.name, "port": int(n.meta["port"])})
-        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)"
-                    + (", guard armed" if n.guard else ""))
+        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)")
         releases.batch(n.hs, *steps, ssh_timeout=int(grace) + 60)
         if single:
             phases.step("start", f"{n.hs.host.name}: started {n.name}")

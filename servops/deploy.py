@@ -202,24 +202,39 @@ def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, sh
             + (f"; patches: {summary}" if summary else "") + " (check mode)")
 
 
+def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str]) -> dict:
+    """What the host guard needs to finish, or undo, this deploy by itself."""
+    prev = lock["listing"]["current"]
+    target = next((r for r in lock["listing"]["releases"] if r["name"] == prev), None)
+    return {"lease_timeout": float(hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
+            "health_timeout": health_timeout(hs, meta["health"]), "port": meta["port"], "health": meta["health"],
+            "signatures": signatures(meta), "stop_grace": meta.get("stop_grace", 30), "lock_id": lock["id"],
+            "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
+            "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
+
+
 def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_rollback, keep, gate, bench_opts,
                    push_url, record) -> tuple[str, str]:
     hs0 = prepared[0][0]
     previous = {hs.host.name: lock["listing"]["current"] for (hs, *_), lock in zip(prepared, locks)}
-    listings = {hs.host.name: lock["listing"] for (hs, *_), lock in zip(prepared, locks)}
-    made: list[tuple[HostSession, str]] = []
     patch_done: dict[str, list] = {}
     nodes: list[Node] = []
+    keeper = None
     # Before the old server stops, any failure (or Ctrl-C) undoes what was done: nothing changed.
+    # The host guard is armed with the release, before the patches: a controller that dies from
+    # here on is covered too (the guard undoes the patches, or rolls back after the stop).
     try:
-        phases.step("upload", f"new release for {variant_name}")
+        phases.step("upload", f"new release for {variant_name}; guard armed")
         for (hs, resolved, launch, actions), lock in zip(prepared, locks):
             files = release_files(hs, resolved, launch, wanted)
-            res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files,
+            meta = json.loads(files["release.json"]["text"])
+            guard = guard_spec(hs, meta, lock, wanted)
+            res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files, guard=guard,
                                journal={"action": "deploy.start", "who": operator(), "variant": variant_name,
-                                        "previous": previous[hs.host.name], "patches": [f"{a} {p.name}" for a, p in actions]})
-            made.append((hs, res["name"]))
-            nodes.append(Node(hs, res["name"], json.loads(files["release.json"]["text"]), lock["root"]))
+                                        "previous": previous[hs.host.name],
+                                        "patches": [f"{a} {p.name}" for a, p in actions]})
+            nodes.append(Node(hs, res["name"], meta, lock["root"], guard))
+        keeper = LeaseKeeper(nodes, every=max(1.0, nodes[0].guard["lease_timeout"] / 4)).start()
         changes = []
         for (hs, _resolved, _launch, actions) in prepared:
             patch_done[hs.host.name] = []
@@ -229,24 +244,16 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         if diff:
             for n in nodes:
                 print_script_diff(n.hs, n.root, previous[n.hs.host.name], n.name)
-        for n in nodes:
-            prev = previous[n.hs.host.name]
-            target = next((r for r in listings[n.hs.host.name]["releases"] if r["name"] == prev), None)
-            n.guard = {"lease_timeout": float(n.hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
-                       "health_timeout": health_timeout(n.hs, n.meta["health"]), "port": n.meta["port"],
-                       "health": n.meta["health"], "signatures": signatures(n.meta),
-                       "stop_grace": n.meta.get("stop_grace", 30), "lock_id": locks[nodes.index(n)]["id"],
-                       "previous": target and {"name": target["name"], "port": target.get("port"),
-                                               "health": target.get("health")},
-                       "patch_plan": patchplan.between(wanted, list((target or {}).get("patches") or []))}
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()
         with interrupt.handling():
             for hs, _resolved, _launch, _actions in prepared:
                 patchplan.undo(hs, patch_done.get(hs.host.name, []))
-            for hs, name in made:
-                releases.ctl(hs, "discard", name=name)
+            for n in nodes:  # its guard stands down when the release goes
+                releases.ctl(n.hs, "discard", name=n.name)
+        if keeper:
+            keeper.stop()
         if isinstance(exc, KeyboardInterrupt):
             record.update(release=None, state="interrupted", reason="before the server was touched")
             return FAILED, "interrupted before the server was touched: nothing changed"
@@ -254,26 +261,27 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
     n0 = nodes[0]
     # The point of no return. From here every failure, exception or Ctrl-C ends in a rollback.
     try:
-        with LeaseKeeper(nodes, every=max(1.0, nodes[0].guard["lease_timeout"] / 4)):
-            try:
-                outcome = bring_up(nodes, phases, f"{hs0.host.name}: {n0.name}")
-                if outcome["state"] == "healthy" and gate:
-                    phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
-                    outcome = _metric_gate(hs0, gate, bench_opts, outcome)
-                if push_url:
-                    _push_event(push_url, hs0, variant_name, n0.name, outcome)
-            except KeyboardInterrupt:
-                interrupt.request()
-                outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
-            except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
-                outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
-            record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
-                          elapsed=outcome.get("elapsed"), log=outcome.get("log"))
-            with interrupt.handling():
-                return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep)
+        try:
+            outcome = bring_up(nodes, phases, f"{hs0.host.name}: {n0.name}")
+            if outcome["state"] == "healthy" and gate:
+                phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
+                outcome = _metric_gate(hs0, gate, bench_opts, outcome)
+            if push_url:
+                _push_event(push_url, hs0, variant_name, n0.name, outcome)
+        except KeyboardInterrupt:
+            interrupt.request()
+            outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
+        except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
+            outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
+        record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
+                      elapsed=outcome.get("elapsed"), log=outcome.get("log"))
+        with interrupt.handling():
+            return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep)
     except KeyboardInterrupt:  # a second Ctrl-C, during the rollback: leave, say where things stand
         return FAILED, (f"interrupted during the rollback of {n0.name}; the host may have no server: "
                         f"run `invoke status -H {hs0.host.name}`, then `invoke rollback -H {hs0.host.name}`")
+    finally:
+        keeper.stop()  # the release is marked by now: its guard has stood down
 
 
 def _push_event(url: str, hs: HostSession, variant_name: str, release: str, outcome: dict) -> None:

@@ -468,3 +468,30 @@ def test_21_a_frozen_sshd_is_named_with_the_timeout(lab, sshd_hosts):
         os.kill(server.proc.pid, signal.SIGCONT)
     assert res.returncode == 2
     assert "lab1" in res.stderr and "did not answer within 2s" in res.stderr and "No existing session" not in res.stderr
+
+
+def test_12_a_controller_lost_before_the_restart_leaves_the_old_server_and_undoes_the_patches(hlab, remote_env):
+    """Killed after the new release is prepared (guard armed) but before the old server stops: the
+    guard undoes the patches that deploy applied; the old server never stopped."""
+    lab, _inv, port = hlab
+    inv = lab.inventory(host_vars={"lab1": {"server_port": port, "lease_timeout": 5}}, filename="lease.yml")
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
+    good, pid = current(lab), server_pid(lab)
+    journal = root_of(lab) / "journal.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "piecewise"], cwd=REPO,
+                            env=dict(os.environ, SERVOPS_INVENTORY=str(inv)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and '"variant": "piecewise"' not in journal.read_text():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # the release is prepared and its guard armed; the patch is next
+    proc.wait()
+    target = remote_env["site"] / CPP_EXT
+    deadline = time.time() + 60
+    while time.time() < deadline and "guard.keep" not in journal.read_text():
+        time.sleep(0.3)
+    assert current(lab) == good and server_pid(lab) == pid and healthy(port)  # the old server never stopped
+    assert target.read_bytes() == remote_env["pristine"][CPP_EXT]  # the patch deploy applied is undone
+    new = next(p for p in (root_of(lab) / "releases").iterdir() if p.name.endswith("-piecewise"))
+    assert json.loads((new / "release.json").read_text())["status"] == "interrupted"
+    assert "controller lost before the restart" in journal.read_text()

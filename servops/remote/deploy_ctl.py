@@ -199,7 +199,10 @@ def op_prepare():
         raise
     if ARGS.get("journal"):
         journal(dict(ARGS["journal"], release=name))
-    return {"name": name, "dir": d}
+    out = {"name": name, "dir": d}
+    if ARGS.get("guard"):
+        out["guard"] = spawn_guard(name, ARGS["guard"])
+    return out
 
 
 def op_discard():
@@ -314,6 +317,9 @@ def stop_server(grace):
 
 
 def op_stop():
+    if ARGS.get("restart_of"):
+        # A restart onto this release is under way (stop, switch, start): the guard waits for it.
+        touch_private(os.path.join(release_dir(ARGS["restart_of"]), "restarting"))
     res = stop_server(float(ARGS.get("grace", 30)))
     if res["stopped"] and ARGS.get("journal"):
         journal(dict(ARGS["journal"], release=res.get("release"), pid=res["pid"],
@@ -338,13 +344,16 @@ def start_server(name, port):
 
 
 def op_start():
-    return {"server": start_server(ARGS["name"], ARGS.get("port"))}
+    info = start_server(ARGS["name"], ARGS.get("port"))
+    marker = os.path.join(release_dir(ARGS["name"]), "restarting")
+    if os.path.exists(marker):
+        os.unlink(marker)
+    return {"server": info}
 
 
-def op_arm():
-    """Arm the guard BEFORE the old server stops: from then on, a controller that dies at any
-    point (mid-stop, between switch and start, in the health gate) is covered."""
-    return {"guard": spawn_guard(ARGS["name"], ARGS["guard"])}
+def touch_private(path):
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    os.utime(path)
 
 
 # ---- the health gate --------------------------------------------------------------------------
@@ -611,7 +620,7 @@ def guard_status(name):
 def spawn_guard(name, spec):
     d = release_dir(name)
     lease = os.path.join(d, "lease")
-    os.close(os.open(lease, os.O_WRONLY | os.O_CREAT, 0o600))
+    touch_private(lease)
     r, w = os.pipe()
     pid = os.fork()
     if pid:
@@ -664,13 +673,24 @@ def run_guard(name, spec, lease):
         time.sleep(1)
     journal({"action": "guard.takeover", "release": name, "who": "guard on host",
              "detail": "controller stopped renewing its lease %ds ago" % int(idle)})
-    serving = server_proc()
-    if previous and current_name() == previous and serving and serving.get("release") == previous:
-        # The controller died before it stopped the old server: nothing to undo but the patches.
-        undo_patches(spec)
+    # A restart the controller began is finished by the host program: wait for it.
+    marker = os.path.join(release_dir(name), "restarting")
+    limit = float(spec.get("stop_grace", 30)) + 120
+    while os.path.exists(marker) and time.time() - os.path.getmtime(marker) < limit:
+        time.sleep(1)
+    if current_name() != name:
+        if previous and not server_proc():  # stopped, never switched: bring the old one back
+            guard_rollback(name, spec, {"state": "interrupted", "reason": "the restart onto it did not finish"})
+            return
+        # The controller died before the restart: the old release (if any) still stands; only
+        # the patches it had applied for this release are undone.
+        problems = undo_patches(spec)
+        serving = server_proc()
         write_fields(name, {"status": "interrupted", "failure": "controller lost before the restart"})
-        journal({"action": "guard.keep", "release": previous, "outcome": "previous release still serving",
-                 "detail": "controller lost before the restart onto %s; its patches undone" % name})
+        journal({"action": "guard.keep", "release": previous, "outcome": "nothing restarted",
+                 "detail": "controller lost before the restart onto %s; %s; its patches undone%s"
+                 % (name, "the previous release still serving" if serving else "no server was running",
+                    ("; " + "; ".join(problems)) if problems else "")})
         return
     remaining = max(5.0, float(spec["health_timeout"]) - (time.time() - started))
     outcome = gate(name, int(spec["port"]), spec.get("health") or {}, spec.get("signatures") or [], remaining,
@@ -742,14 +762,14 @@ def guard_rollback(name, spec, outcome):
 
 
 def op_disarm():
-    os.close(os.open(os.path.join(release_dir(ARGS["name"]), "guard.disarm"), os.O_WRONLY | os.O_CREAT, 0o600))
+    touch_private(os.path.join(release_dir(ARGS["name"]), "guard.disarm"))
     return {"disarmed": True}
 
 
 OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "discard": op_discard,
        "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
-       "journal": op_journal, "renew": op_renew, "disarm": op_disarm, "arm": op_arm}
+       "journal": op_journal, "renew": op_renew, "disarm": op_disarm}
 
 
 def run_op(op):
