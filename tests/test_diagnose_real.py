@@ -2,6 +2,7 @@
 named for its own logs and for nothing else; the same log parses the same under every line-prefix
 style real tools use; multi-rank logs are read rank by rank. No host: parsing is pure."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from servops.remote.tracebacks import all_frames, scan
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 FIXTURES = REAL.parent
 MANIFEST = yaml.safe_load((REAL / "manifest.yml").read_text())
+HEALTHY = yaml.safe_load((REAL / "healthy" / "manifest.yml").read_text())
 ISSUES = known_issues()
 CATEGORY = {e["id"]: e["category"] for e in ISSUES}
 
@@ -63,6 +65,26 @@ def test_each_entry_matches_its_own_logs_and_nothing_else(case):
     for hits in all_hits:
         for h in hits:
             assert h["category"] == want, f"{h['id']} ({h['category']}) hit a {want} log: {case['file']}"
+
+
+@pytest.mark.parametrize("case", [e for e in MANIFEST if e.get("root")],
+                         ids=[e["file"][:-4] for e in MANIFEST if e.get("root")])
+def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(case):
+    # anchored: a prefix, a quote mark or a colour code left in front of it is wrong
+    found = findings((REAL / case["file"]).read_text())
+    hit = next((f for f in found if match(f, ISSUES)), found[0])
+    assert re.search(case["root"], hit["root_exception"]), hit["root_exception"]
+
+
+def test_healthy_manifest_and_logs_agree():
+    assert sorted(e["file"] for e in HEALTHY) == sorted(p.name for p in (REAL / "healthy").glob("*.log"))
+    readme = (REAL / "README.md").read_text()
+    assert all(e["file"] in readme and e["url"] in readme for e in HEALTHY)
+
+
+@pytest.mark.parametrize("case", HEALTHY, ids=[e["file"][:-4] for e in HEALTHY])
+def test_a_healthy_log_has_no_failure(case):
+    assert findings((REAL / "healthy" / case["file"]).read_text()) == []
 
 
 def test_the_double_and_the_hand_written_log_still_match():

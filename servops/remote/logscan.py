@@ -11,8 +11,17 @@
 import re as _re
 
 _ANSI = _re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
-# A colour code whose ESC was lost in a copy/paste shows up as `[36m`, `←[0m`, or `^[[0m`.
-_BARE_ANSI = _re.compile(r"(?:\^\[|←)?\[(?:\d{1,3}(?:;\d{1,3})*)?m")
+# A colour code whose ESC was lost in a copy/paste shows up as `[36m`, `←[0m`, `^[[0m`, or with a
+# space where the ESC was (` [36m(RayWorker pid=1) [0m `): the space goes with the code.
+_BARE_ANSI = _re.compile(r"(?:\^\[|←| )?\[(?:\d{1,3}(?:;\d{1,3})*)?m")
+_BARE_ANSI_START = _re.compile(r" ?\[\d{1,3}(?:;\d{1,3})*m")
+# What a paste or a viewer puts in front of every line: markdown quote marks (`> `), CI viewers'
+# line gutters (`  | `), box-drawing frames (`│ ... │`). Each mark takes one space with it, so the
+# indentation of what follows is kept.
+_GUTTER = _re.compile(r"(?:[ \t]*[>|│┃](?= |$) ?)+")
+_GUTTER_END = _re.compile(r"[ \t]+[│┃][ \t]*$")
+# Markdown left in a pasted log: a code fence line, or one inline-code backtick at an end.
+_FENCE = _re.compile(r"\s*```[\w+-]*\s*$")
 _RAY_REPEAT = _re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 _LEVEL = r"(?:TRACE|DEBUG|INFO|NOTICE|WARN|WARNING|ERROR|CRITICAL|FATAL)"
 _RANK_TOKEN = _re.compile(r"(?:^|[_\s])((?:ATTN_)?(?:DP|TP|PP|EP|CP|MOE_DP)\d+)(?=$|[_\s])")
@@ -34,7 +43,12 @@ _PREFIXES = [
     ("vllm", _re.compile(r"(?P<level>" + _LEVEL + r") (?:\d{4}-)?\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (?:\[[^\]\n]*\]|[\w.]+:\d+\]) ?"), "header"),
     ("level-ts", _re.compile(r"(?:\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)? ?(?:(?P<level>" + _LEVEL + r")\b:? *)?"), "header"),
     ("loguru", _re.compile(r"\| ?(?P<level>" + _LEVEL + r") *\| [^\s|]+ - "), "header"),
-    ("level", _re.compile(r"(?P<level>" + _LEVEL + r"):? +(?=\S)"), "header"),
+    # (Rust's `tracing` right-aligns the level: ` INFO`, `ERROR`.)
+    ("level", _re.compile(r" ?(?P<level>" + _LEVEL + r"):? +(?=\S)"), "header"),
+    # Rust `tracing` (SGLang's router, TGI's launcher): after the level, `span{fields}:span: ` and
+    # the target, with its `file.rs:N: `, or a `crate::module: ` target.
+    ("rust", _re.compile(r"(?:(?:[A-Za-z_]\w*(?:\{[^{}\n]*\})?:)+ )?[a-z_][a-z0-9_]*(?:(?:::[a-z0-9_]+)*: [\w./-]+\.rs:\d+|(?:::[a-z0-9_]+)+): "),
+     "header"),
     ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
     ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
 ]
@@ -44,7 +58,7 @@ _BY_FIRST = {}
 for _name, _rx, _kind in _PREFIXES:
     _first = {"cri": "0123456789", "iso-t": "[0123456789", "iso": "0123456789", "level-ts": "0123456789",
               "sglang": "[", "sglang-gpu": "[", "torchrun": "[", "glog": "[", "proc": "(", "loguru": "|",
-              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF",
+              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF ", "rust": "abcdefghijklmnopqrstuvwxyz_",
               "journal": "JFMASOND"}.get(_name)
     for _c in (_first or "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"):
         _BY_FIRST.setdefault(_c, []).append((_name, _rx, _kind))
@@ -81,10 +95,25 @@ def _clean(raw):
         line = line[:-2]
     if "\x1b" in line:
         line = _ANSI.sub("", line)
-    if "[0m" in line or "\u2190[" in line or "^[[" in line:
+    if "[0m" in line or "\u2190[" in line or "^[[" in line or (line[:2] in (" [", "[1", "[2", "[3", "[9")
+                                                                and _BARE_ANSI_START.match(line)):
         line = _BARE_ANSI.sub("", line)
     if "across cluster]" in line:
         line = _RAY_REPEAT.sub("", line)
+    first = line.lstrip(" \t")[:1]
+    if first and first in ">|│┃":
+        m = _GUTTER.match(line)
+        if m and m.end():
+            line = line[m.end():]
+            if line.rstrip().endswith(("│", "┃")):
+                line = _GUTTER_END.sub("", line)
+    elif first == "`":
+        if _FENCE.match(line):
+            return ""
+        if line.count("`") % 2:
+            line = line.replace("`", "", 1)
+    if line.endswith("`") and line.count("`") % 2:
+        line = line[:-1]
     return line
 
 
@@ -194,18 +223,69 @@ def learn_prefixes(raw_lines, limit=2000):
         if rx is not None and rx not in seen:
             seen.add(rx)
             learned.append(_re.compile(rx))
+    # An unknown tag in front of a known prefix on several lines (`[80746] [rank0]:[E321 ...] `, a
+    # collector's line counter before torchrun's prefix) is a prefix too, whatever the line says.
+    counts = {}
+    for raw in raw_lines[:20000]:
+        if len(learned) >= 6:
+            break
+        if raw[:1] not in "[(<":
+            continue
+        text = _clean(raw)
+        m = _UNKNOWN_TAG.match(text)
+        if not m or strip_prefixes(text, learned)[1]:
+            continue
+        if not strip_prefixes(text[m.end():])[1]:
+            continue
+        rx = _generalise(m.group(0))
+        counts[rx] = counts.get(rx, 0) + 1
+        if counts[rx] == 2 and rx not in seen:
+            seen.add(rx)
+            learned.append(_re.compile(rx))
     return learned
+
+
+_FILE_IN_LINE = ' File "'
+
+
+def _unfold(raw):
+    """A traceback whose line breaks a paste lost (a markdown quote joins its lines into one):
+    split it again where the per-line prefix repeats - the text that stands before each of its
+    `File "..."` frames, e.g. ` (SGLangWorker pid=38138)`."""
+    first = raw.find(_FILE_IN_LINE)
+    second = raw.find(_FILE_IN_LINE, first + 1) if first >= 0 else -1
+    if second < 0:
+        return [raw]
+    a, b = raw[:first], raw[:second]
+    n = 0
+    while n < len(a) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    sep = a[len(a) - n:]
+    sep = sep[sep.find(" "):] if " " in sep.strip() or sep.startswith(" ") else sep
+    if len(sep.strip()) < 6 or raw.count(sep) < 3:
+        return [raw]
+    parts = raw.split(sep)
+    return [parts[0]] + [sep.lstrip() + " " + p.strip() for p in parts[1:]]
 
 
 def normalise(text):
     """Every line without its prefixes, with the rank/process (stream) that wrote it."""
     raw_lines = text.splitlines()
+    numbers = None
+    if any(len(r) > 400 and r.count(_FILE_IN_LINE) > 1 for r in raw_lines):
+        unfolded, numbers = [], []
+        for no, raw in enumerate(raw_lines, 1):
+            parts = _unfold(raw) if len(raw) > 400 else [raw]
+            unfolded.extend(parts)
+            numbers.extend([no] * len(parts))
+        raw_lines = unfolded
     learned = learn_prefixes(raw_lines)
     out = []
     current = ""          # stream of the last record header: its continuation lines follow it
     follows = False       # whether untagged lines continue that record
     ranks = {"": ""}      # stream -> the rank its last record header named
-    for no, raw in enumerate(raw_lines, 1):
+    for k, raw in enumerate(raw_lines):
+        no = numbers[k] if numbers else k + 1
         body, tags = strip_prefixes(_clean(raw), learned)
         proc = [t[2] for t in tags if t[1] == "proc"]
         record = [t[2] for t in tags if t[1] == "record"]

@@ -25,6 +25,7 @@ _CXX_FRAME = _re.compile(r"^\s*frame #\d+: (?P<sym>.*?)(?: \+ 0x[0-9a-fA-F]+)?(?
 _FATAL = _re.compile(r"Fatal Python error: (?P<msg>.+)")
 _THREAD = _re.compile(r"^\s*(?P<current>Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
 _WARNING_STACK = _re.compile(r"originates from:\s*$|\bWarning: |^\s*Stack \(most recent call last\):")
+_FAILURE_WORDS = _re.compile(r"(?i)\b(?:error|exception|fail(?:s|ed|ure)?|fatal|abort(?:ed|ing)?)\b")
 _PROCESS_HEADER = _re.compile(r"^Process [\w.-]+:\s*$")  # multiprocessing, before a child's traceback
 _QUIET_LEVELS = ("INFO", "DEBUG", "TRACE", "NOTICE", "WARN", "WARNING")
 
@@ -46,8 +47,9 @@ _ERROR_CLASSES = [
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
     ("hub", _re.compile(r"Cannot access gated repo|is restricted\. You must (?:have access|be authenticated)|"
                         r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
-    # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig"
-    ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+")),
+    # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig";
+    # argparse refusing the command line: "launch_server.py: error: unrecognized arguments: --x"
+    ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+|^[\w.-]+: error: \S")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
                          r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
                          r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
@@ -65,7 +67,7 @@ _ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "m
                 "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
                 "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
                 "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
-                "validation error", "gated repo", "restricted", "Client Error", "Repository Not Found",
+                "validation error", ": error: ", "gated repo", "restricted", "Client Error", "Repository Not Found",
                 "couldn't connect")
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
@@ -95,8 +97,14 @@ def _looks_exception(text):
     return m
 
 
+_WRAP_GAP = _re.compile(r"\s{2,}(?=/)")
+
+
 def _frame(m):
-    return {"path": m.group("path"), "line": int(m.group("line")), "func": (m.group("func") or "?").strip(), "code": ""}
+    path = m.group("path")
+    if "  " in path:
+        path = _WRAP_GAP.sub("", path)  # a terminal's padding where it wrapped the path
+    return {"path": path, "line": int(m.group("line")), "func": (m.group("func") or "?").strip(), "code": ""}
 
 
 class _Stream(object):
@@ -120,7 +128,8 @@ class _Stream(object):
             if m:
                 fr = _frame(m)
                 j = i + 1
-                if j < self.n:
+                # faulthandler's frames (`line 12 in f`, no comma) never show a source line
+                if j < self.n and (m.group("func") is None or ", in" in t):
                     nt = self.text(j)
                     if (nt.strip() and not _FRAME.match(nt) and not _CARETS.match(nt) and not _TB_START.search(nt)
                             and _CAUSE not in nt and _CONTEXT not in nt
@@ -248,11 +257,14 @@ class _Stream(object):
         return item, self.cxx_trace(i, item)
 
     # -- faulthandler --------------------------------------------------------------------
-    def fatal(self, i):
+    def fatal(self, i, header=True):
+        """`Fatal Python error: ...` and faulthandler's thread dumps after it; header=False: a dump
+        whose `Fatal Python error` line is not in the log (cut, or written over by another process)."""
         ln = self.lines[i]
-        item = {"kind": "fatal", "message": _FATAL.search(ln.text).group("msg").strip(), "threads": [],
-                "line": ln.no, "last": ln.no, "rank": ln.rank}
-        i += 1
+        item = {"kind": "fatal", "message": _FATAL.search(ln.text).group("msg").strip() if header else NO_FATAL_LINE,
+                "threads": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
+        if header:
+            i += 1
         while i < self.n:
             t = self.text(i)
             if not t.strip():
@@ -271,6 +283,24 @@ class _Stream(object):
                 item["last"] = self.lines[i - 1].no
         return item, i
 
+    def _message_above(self, i):
+        """The log message a traceback belongs to when the logger put it on the line above the
+        header (`logger.exception("Error in inspecting model architecture ...")`, "EngineCore
+        failed to start."): the line right above, when it is an error message no other evidence took."""
+        k = i - 1
+        if k < 0 or not self.text(k).strip():
+            return ""
+        ln = self.lines[k]
+        t = ln.text.strip()
+        if self.items and self.items[-1][1].get("last", self.items[-1][1].get("line", 0)) >= ln.no:
+            return ""
+        if (ln.level in _QUIET_LEVELS or _FRAME.match(t) or _looks_exception(t) or _EXC_EMBEDDED.search(t)
+                or _CAUSE in t or _CONTEXT in t or classify(t) or len(t) > 300):
+            return ""
+        if ln.level in ("ERROR", "CRITICAL", "FATAL") or _FAILURE_WORDS.search(t):
+            return t
+        return ""
+
     def _previous_text(self, i):
         k = i - 1
         while k >= 0 and not self.text(k).strip():
@@ -285,7 +315,10 @@ class _Stream(object):
             t = ln.text
             tb = _TB_START.search(t) if "Traceback" in t else None
             if tb:
-                exc, i = self.exception(i + 1, i, context=t[:tb.start()])
+                context = t[:tb.start()]
+                if not context.strip():
+                    context = self._message_above(i)
+                exc, i = self.exception(i + 1, i, context=context)
                 # a traceback logged as a warning or info (a retried import, a fallback) is no failure
                 if ln.level not in _QUIET_LEVELS:
                     self.items.append(("exc", exc))
@@ -301,6 +334,10 @@ class _Stream(object):
                 continue
             if "Fatal Python error" in t:
                 item, i = self.fatal(i)
+                self.items.append(("fatal", item))
+                continue
+            if "most recent call first" in t and _THREAD.match(t) and not ln.level in _QUIET_LEVELS:
+                item, i = self.fatal(i, header=False)
                 self.items.append(("fatal", item))
                 continue
             if ("Exception raised from" in t and _RAISED_FROM.search(t)) or ("frame #" in t and _CXX_FRAME.match(t)):
@@ -415,7 +452,9 @@ def _merge(f, p):
         if f["kind"] == "errors":
             f["kind"] = "abort"
     elif k == "fatal":
-        f["fatal"] = p
+        # the first dump names the death, unless only a later one kept its message
+        if f["fatal"] is None or (f["fatal"]["message"] == NO_FATAL_LINE and p["message"] != NO_FATAL_LINE):
+            f["fatal"] = p
         if f["kind"] in ("errors", "abort"):
             f["kind"] = "fatal"
     elif k == "cxx":
@@ -455,6 +494,7 @@ def signature(f):
 
 
 NO_EXCEPTION_LINE = "(exception line not in the log)"
+NO_FATAL_LINE = "(a faulthandler dump; its message is not in the log)"
 
 
 def describe(exc):
@@ -464,6 +504,14 @@ def describe(exc):
     if exc.get("type"):
         return exc["type"] + (": " + exc["message"] if exc.get("message") else "")
     return NO_EXCEPTION_LINE
+
+
+def _death(f):
+    if f["abort"]:
+        return "%s: %s" % (f["abort"]["type"], f["abort"]["what"].split("\n")[0])
+    if f["fatal"]["message"] == NO_FATAL_LINE:
+        return NO_FATAL_LINE
+    return "Fatal Python error: " + f["fatal"]["message"]
 
 
 def summarise(f):
@@ -476,14 +524,17 @@ def summarise(f):
             # an error printed above the traceback (a kernel's CUDA error) is the earlier cause
             if causes and causes[0]["line"] < f["chain"][0]["line"]:
                 root = causes[0]["text"]
+        elif f["fatal"] or f["abort"]:
+            # frames without their exception line, then the process died: the death says more
+            root = final = _death(f)
+            if causes and causes[0]["line"] < f["chain"][0]["line"]:
+                root = causes[0]["text"]
         else:
             final = NO_EXCEPTION_LINE
             context = next((e["context"] for e in f["chain"] if e.get("context")), "")
             root = causes[0]["text"] if causes else (context or final)
-    elif f["abort"]:
-        root = final = "%s: %s" % (f["abort"]["type"], f["abort"]["what"].split("\n")[0])
-    elif f["fatal"]:
-        root = final = "Fatal Python error: " + f["fatal"]["message"]
+    elif f["abort"] or f["fatal"]:
+        root = final = _death(f)
     else:
         causes = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE] or f["errors"]
         root, final = causes[0]["text"], f["errors"][-1]["text"]
