@@ -126,8 +126,9 @@ def evidence(f: dict) -> Evidence:
         if exc.get("skipped_call"):
             text.append("skipped call: " + exc["skipped_call"])
     if f.get("abort"):
-        types.append(f["abort"]["type"])
-        text.append(f"{f['abort']['type']}: {f['abort']['what']}")
+        if f["abort"]["type"]:  # "" when the excerpt starts at what()
+            types.append(f["abort"]["type"])
+        text.append(f"{f['abort']['type']}: {f['abort']['what']}" if f["abort"]["type"] else f["abort"]["what"])
         if "\n" in f["abort"]["what"]:  # a terminal-wrapped what(): matched joined too
             text.append(f["abort"]["what"].replace("\n", ""))
         if f["abort"].get("raised_from"):
@@ -397,7 +398,8 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
         links = f.get("links") or []
         steps = [chain[0]["type"]]
         for k, exc in enumerate(chain[1:]):
-            how = "caused" if k < len(links) and links[k] == "cause" else "then, while handling it"
+            link = links[k] if k < len(links) else ""
+            how = {"cause": "caused", "group": "reported by"}.get(link, "then, while handling it")
             steps.append(f"({how}) {exc['type']}")
         p.line("chain: ", " -> ".join(steps))
     if f.get("cut_above"):
@@ -415,7 +417,8 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
             p.line((f"{e['class']}: ", "yellow"), e["text"], f"  (line {e['line']})", indent=2)
     if f.get("abort"):
         a = f["abort"]
-        p.line(("C++ abort: ", "bold"), f"terminate called after throwing an instance of '{a['type']}'")
+        p.line(("C++ abort: ", "bold"), f"terminate called after throwing an instance of '{a['type']}'" if a["type"]
+               else "(its terminate line is not in the log)")
         for w in a["what"].split("\n")[:4]:
             p.line("what(): ", w, indent=2)
         if a.get("raised_from"):

@@ -149,6 +149,45 @@ def test_nccl_watchdog_of_an_illegal_memory_access_is_not_a_timeout():
     assert hits == ["cuda-illegal-memory-access"]
 
 
+def test_a_what_line_without_its_terminate_line_is_a_cxx_abort():
+    [f] = findings(real("sglang-8296-watchdog-what-first-line.log"))
+    assert f["kind"] == "abort" and f["abort"]["type"] == ""
+    assert f["root_exception"].startswith("[PG ID 2 PG GUID 3 Rank 1] Process group watchdog thread terminated")
+    assert f["abort"]["raised_from"].startswith("c10_cuda_check_implementation at ")
+    assert match(f, ISSUES)[0]["id"] == "cuda-illegal-memory-access"
+
+
+def test_an_error_line_that_repeats_the_exception_is_not_an_earlier_cause():
+    # asyncio's "Task exception was never retrieved" repr, wrapped: its second line is a bind error
+    [f] = findings(real("exo-827-uvloop-bind-wrapped-inline.log"))
+    assert f["root_exception"].startswith("OSError: [Errno 98] error while attempting to bind")
+    # a kernel's device-side assert above the traceback still is the earlier cause
+    [f] = findings(real("sglang-271-device-assert-above-traceback.log"))
+    assert "index out of bounds" in f["root_exception"]
+
+
+def test_an_exception_group_is_reported_by_its_sub_exception():
+    # Python 3.11+ (anyio/starlette in the OpenAI servers): the group wraps what failed
+    [f] = findings(real("vllm-6689-exception-group-gutters.log"))
+    assert f["root_exception"] == "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)"
+    assert len(all_frames(f)) == 5  # the group's frames and the sub-exception's, one failure
+    text = "\n".join(real("vllm-6689-exception-group-gutters.log").splitlines()[:15] + [
+        "    | vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+        "    +------------------------------------"])
+    [f] = findings(text)
+    assert f["root_exception"] == "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
+    assert f["final_exception"].startswith("ExceptionGroup: ") and f["links"] == ["group"]
+
+
+def test_a_double_spaced_paste_reads_like_the_log():
+    [f] = findings(real("transformerlab-pr381-ninja-missing-double-spaced.log"))[:1]
+    assert f["root_exception"] == "FileNotFoundError: [Errno 2] No such file or directory: 'ninja'"
+    assert [fr["func"] for fr in all_frames(f)][:2] == ["build", "run_ninja"]
+    for name in BASE_LOGS:
+        text = (FIXTURES / name).read_text()
+        assert canonical(text.replace("\n", "\n\n")) == canonical(text), name
+
+
 # -- prefixes ----------------------------------------------------------------------------------
 
 PREFIX_STYLES = {
@@ -168,6 +207,8 @@ PREFIX_STYLES = {
     # prefixes no rule knows: learned from the frame lines
     "torchserve": lambda i: f"2024-11-18T16:43:45,{400 + i} [INFO ] W-9000-model_1.0-stdout MODEL_LOG - ",
     "fastchat": lambda i: f"2024-01-22 14:32:{i % 60:02d} | ERROR | stderr | ",
+    # logging's "%(levelname)s (%(name)s): " format
+    "level-logger": lambda i: "ERROR (sglang.srt.managers.scheduler):  ",
 }
 BASE_LOGS = ["double_piecewise_crash.log", "real/sglang-5285-capture-oom.log", "real/sglang-4289-nccl-system-error.log",
              "real/sglang-1693-nccl-watchdog-abort.log", "real/sglang-pr10062-dynamo-non-tensor.log",

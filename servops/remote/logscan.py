@@ -5,9 +5,9 @@
 # `(Worker_TP2 pid=99) ERROR 06-26 23:10:17 [multiproc_executor.py:527] `, Ray's
 # `(SGLangEngine pid=952, ip=10.0.0.1) `, torchrun's `[rank0]:`, Kubernetes CRI
 # `2025-..+08:00 stdout F `, docker compose `sglang-1  | `, journald, CI timestamps, ANSI colours,
-# CR line ends. normalise() strips them, learns unknown leading tags from the lines that carry a
-# Traceback header or an error, and says which rank/process each line came from so multi-rank
-# logs can be read one stream at a time.
+# CR line ends, a paste that double-spaced every line. normalise() strips them, learns unknown
+# leading tags from the lines that carry a Traceback header or an error, and says which
+# rank/process each line came from so multi-rank logs can be read one stream at a time.
 import re as _re
 
 _ANSI = _re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
@@ -38,16 +38,22 @@ _PREFIXES = [
     ("torchrun", _re.compile(r"\[(?:default)?rank(?P<rank>\d+)\]: ?"), "record"),
     ("iso-t", _re.compile(r"\[?\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\]?(?: |$)"), "transport"),
     ("iso", _re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: |$)"), "header"),
-    ("glog", _re.compile(r"\[[EWIFD](?:\d{3,4} \d\d:\d\d:\d\d\.\d+(?: \d+)?)? ?[\w.]+:\d+\] ?"), "header"),
-    ("glog2", _re.compile(r"[EWIF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\] ?"), "header"),
+    # glog (torch's C++ log, Mooncake): its first letter is the level (`[W ...]`, `E0414 ...`)
+    ("glog", _re.compile(r"\[(?P<glevel>[EWIFD])(?:\d{3,4} \d\d:\d\d:\d\d\.\d+(?: \d+)?)? ?[\w.]+:\d+\] ?"), "header"),
+    ("glog2", _re.compile(r"(?P<glevel>[EWIF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\] ?"), "header"),
     ("vllm", _re.compile(r"(?P<level>" + _LEVEL + r") (?:\d{4}-)?\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (?:\[[^\]\n]*\]|[\w.]+:\d+\]) ?"), "header"),
     ("level-ts", _re.compile(r"(?:\d\d-\d\d )?\d\d:\d\d:\d\d(?:[.,]\d+)? ?(?:(?P<level>" + _LEVEL + r")\b:? *)?"), "header"),
-    ("loguru", _re.compile(r"\| ?(?P<level>" + _LEVEL + r") *\| [^\s|]+ - "), "header"),
+    # loguru `| ERROR    | module:fn:12 - `, and FastChat's `| ERROR | stderr | ` (a logger name
+    # between bars)
+    ("loguru", _re.compile(r"\| ?(?P<level>" + _LEVEL + r") *\| [^\s|]+ (?:- |\| ?)"), "header"),
     # (Rust's `tracing` right-aligns the level: ` INFO`, `ERROR`.)
-    ("level", _re.compile(r" ?(?P<level>" + _LEVEL + r"):? +(?=\S)"), "header"),
+    # (`ERROR (uvicorn.error):  `: a `%(levelname)s (%(name)s): ` format names the logger too; the
+    # spaces after it beyond the format's own are the message's indentation.)
+    ("level", _re.compile(r" ?(?P<level>" + _LEVEL + r"):? +(?:\([\w.-]{1,60}\):(?: {1,2}|\s*$)|(?=\S))"), "header"),
     # Rust `tracing` (SGLang's router, TGI's launcher): after the level, `span{fields}:span: ` and
     # the target, with its `file.rs:N: `, or a `crate::module: ` target.
-    ("rust", _re.compile(r"(?:(?:[A-Za-z_]\w*(?:\{[^{}\n]*\})?:)+ )?[a-z_][a-z0-9_]*(?:(?:::[a-z0-9_]+)*: [\w./-]+\.rs:\d+|(?:::[a-z0-9_]+)+): "),
+    # (A paste may start inside the span list: `:infer:send_error: text_generation_router::infer: `.)
+    ("rust", _re.compile(r"(?::?(?:[A-Za-z_]\w*(?:\{[^{}\n]*\})?:)+ )?[a-z_][a-z0-9_]*(?:(?:::[a-z0-9_]+)*: [\w./-]+\.rs:\d+|(?:::[a-z0-9_]+)+): "),
      "header"),
     ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
     ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
@@ -58,10 +64,13 @@ _BY_FIRST = {}
 for _name, _rx, _kind in _PREFIXES:
     _first = {"cri": "0123456789", "iso-t": "[0123456789", "iso": "0123456789", "level-ts": "0123456789",
               "sglang": "[", "sglang-gpu": "[", "torchrun": "[", "glog": "[", "proc": "(", "loguru": "|",
-              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF ", "rust": "abcdefghijklmnopqrstuvwxyz_",
+              "glog2": "EWIF", "vllm": "TDINWECF", "level": "TDINWECF ", "rust": "abcdefghijklmnopqrstuvwxyz_:",
               "journal": "JFMASOND"}.get(_name)
     for _c in (_first or "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"):
         _BY_FIRST.setdefault(_c, []).append((_name, _rx, _kind))
+# (glog's W/I/D stay letters: torch's C++ warns `[W socket.cpp] ... Address already in use` just
+# before it fails, so those lines are evidence; a Traceback logged at W or I is no failure.)
+_GLOG_LEVELS = {"E": "ERROR", "F": "FATAL", "W": "W", "I": "I", "D": "D"}
 # Headers that open a new log record: what follows them is not the continuation of a message.
 _NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
 _LEARN_ANCHOR = _re.compile(
@@ -157,7 +166,10 @@ def strip_prefixes(line, learned=()):
                     label = groups["svc"]
                 elif name == "journal":
                     label = groups["prog"] + ("[%s]" % groups["jpid"] if groups.get("jpid") else "")
-                tags.append((name, kind, label, groups.get("level"), m.group(0)))
+                level = groups.get("level")
+                if name[:4] == "glog":
+                    level = _GLOG_LEVELS.get(groups["glevel"])
+                tags.append((name, kind, label, level, m.group(0)))
                 text = text[m.end():]
                 break
             else:
@@ -268,17 +280,48 @@ def _unfold(raw):
     return [parts[0]] + [sep.lstrip() + " " + p.strip() for p in parts[1:]]
 
 
+def _double_spaced(text):
+    """Whether a paste put a blank line after every line (a web viewer's or an email client's
+    copy): then every single blank line is an artefact, and a run of 2k+1 stands for k."""
+    nl = text.count("\n")
+    if nl < 6:
+        return False
+    pairs = text.count("\n\n") + text.count("\n\r\n")
+    return pairs * 20 >= nl * 7
+
+
+def _undouble(raw_lines):
+    """The lines of a double-spaced paste without its artefact blank lines, and their numbers."""
+    out, numbers = [], []
+    run = 0
+    for no, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            run += 1
+            continue
+        if run:
+            keep = run // 2
+            out.extend([""] * keep)
+            numbers.extend(range(no - keep, no))
+            run = 0
+        out.append(raw)
+        numbers.append(no)
+    return out, numbers
+
+
 def normalise(text):
     """Every line without its prefixes, with the rank/process (stream) that wrote it."""
     raw_lines = text.splitlines()
     numbers = None
+    head = text[:200000]
+    if ("\n\n" in head or "\n\r\n" in head) and _double_spaced(text):
+        raw_lines, numbers = _undouble(raw_lines)
     if any(len(r) > 400 and r.count(_FILE_IN_LINE) > 1 for r in raw_lines):
-        unfolded, numbers = [], []
-        for no, raw in enumerate(raw_lines, 1):
+        unfolded, renumbered = [], []
+        for k, raw in enumerate(raw_lines):
             parts = _unfold(raw) if len(raw) > 400 else [raw]
             unfolded.extend(parts)
-            numbers.extend([no] * len(parts))
-        raw_lines = unfolded
+            renumbered.extend([numbers[k] if numbers else k + 1] * len(parts))
+        raw_lines, numbers = unfolded, renumbered
     learned = learn_prefixes(raw_lines)
     out = []
     current = ""          # stream of the last record header: its continuation lines follow it

@@ -1,6 +1,8 @@
 # Failures in server logs: Python tracebacks with their whole exception chain (and what was
-# printed above the header), C++ aborts (`terminate called ...` / `what():` / `frame #N`), NCCL
-# and CUDA error lines, `Fatal Python error` with its stack, signals, SGLang/vLLM fatal lines.
+# printed above the header; an ExceptionGroup reported by its sub-exceptions), C++ aborts
+# (`terminate called ...` / `what():` / `frame #N`, also when the excerpt starts at what()), NCCL,
+# CUDA and c10d rendezvous error lines, `Fatal Python error` with its stack, signals, Rust panics,
+# SGLang/vLLM fatal lines.
 # Standard library only: used locally (`--offline`) and shipped to the host, after logscan.py,
 # inside the diagnose program. scan(text) is the entry point; it returns plain dicts (JSON).
 import re as _re
@@ -14,6 +16,9 @@ _CARETS = _re.compile(r"^\s*[\^~]+[\s\^~]*$")
 _EXC_LINE = _re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::(?:\s(?P<msg>.*))?)?$")
 _EXC_NAME = r"(?:[A-Za-z_]\w*\.)*(?=[A-Z])(?:\w+?(?:Error|Exception|Unsupported|Exit|Interrupt|Failure|Timeout|OutOfResources)|Exception|Unsupported|OutOfResources)"
 _EXC_EMBEDDED = _re.compile(r"(?:^|(?<=\s))(?P<type>" + _EXC_NAME + r"): (?P<msg>\S.*)$")
+# an exception logged as its repr with a message after it: `... with exception
+# KVTransferError(bootstrap_room=165): Failed due to ...`
+_EXC_REPR = _re.compile(r"(?:^|(?<=\s))(?P<type>" + _EXC_NAME + r")\((?P<args>[^()\n]{0,200})\): (?P<msg>\S.*)$")
 _CAUSE = "The above exception was the direct cause of the following exception:"
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _USER_CODE = _re.compile(r"^\s*from user code:\s*$")
@@ -26,24 +31,39 @@ _FATAL = _re.compile(r"Fatal Python error: (?P<msg>.+)")
 _THREAD = _re.compile(r"^\s*(?P<current>Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
 _WARNING_STACK = _re.compile(r"originates from:\s*$|\bWarning: |^\s*Stack \(most recent call last\):")
 _FAILURE_WORDS = _re.compile(r"(?i)\b(?:error|exception|fail(?:s|ed|ure)?|fatal|abort(?:ed|ing)?)\b")
+# Python 3.11's ExceptionGroup report numbers its sub-exceptions: `+-+---------------- 1 ----`
+_SUB_EXCEPTION = _re.compile(r"^\s*\+[-+]*-+ (?:\d+|\.\.\.) -+\s*$|^\s*\+-{12,}\s*$")
+_GROUP = _re.compile(r"(?:^|\.)(?:Base)?ExceptionGroup$")
 _PROCESS_HEADER = _re.compile(r"^Process [\w.-]+:\s*$")  # multiprocessing, before a child's traceback
 _QUIET_LEVELS = ("INFO", "DEBUG", "TRACE", "NOTICE", "WARN", "WARNING")
+_QUIET_TRACEBACK = _QUIET_LEVELS + ("W", "I", "D")  # glog's letters (logscan)
 
 # Lines that are evidence on their own. "consequence" classes report that something already
 # failed (a child died, a worker did not start, an exit code): they join the failure they follow.
 _ERROR_CLASSES = [
     ("cuda", _re.compile(r"CUDA (?:error|Error|ERROR)\b|\bcudaError[A-Z]\w+|CUDA out of memory|CUBLAS_STATUS_(?!SUCCESS)[A-Z_]+|"
                          r"CUDNN_STATUS_(?!SUCCESS)[A-Z_]+|an illegal memory access was encountered|device-side assert(?:ion)? triggered|"
-                         r"no kernel image is available|misaligned address|unspecified launch failure")),
+                         r"no kernel image is available|misaligned address|unspecified launch failure|"
+                         # a device-side assert as the kernel prints it, before the CUDA error
+                         r"block: \[\d+,\d+,\d+\],? thread: \[\d+,\d+,\d+\],? Assertion")),
     ("nccl", _re.compile(r"Watchdog caught collective operation timeout|\bNCCL (?:error|Error|ERROR)\b|\bnccl[A-Z]\w*Error\b|"
                          r"ProcessGroupNCCL.*(?:terminated with exception|[Tt]imed? ?out)|NCCL communicator was aborted")),
     ("signal", _re.compile(r"Segmentation fault|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL)\b|Aborted \(core dumped\)|\(core dumped\)|^Killed\s*$|"
                            r"^Bus error|received signal (?:\d+|SIG\w+)|Signal \d+ \(SIG\w+\) received")),
-    ("sglang", _re.compile(r"Piecewise CUDA Graph (?:failed|is enabled by default as an experimental)|Capture (?:piecewise )?cuda graph failed|"
+    # SGLang's advice printed after a piecewise CUDA graph failure (and by other ranks): evidence
+    # that something failed there, but never the failure itself when anything else says more
+    ("hint", _re.compile(r"Piecewise CUDA Graph is enabled by default as an experimental")),
+    ("sglang", _re.compile(r"Piecewise CUDA Graph failed|Capture (?:piecewise )?cuda graph failed|"
                            r"(?:TokenizerManager|DetokenizerManager|DataParallelController) hit an exception|Exception in run_tp_server|"
                            r"scheduler is dead|Child process unexpectedly failed", _re.I)),
     ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed")),
     ("bind", _re.compile(r"[Aa]ddress already in use|EADDRINUSE|error while attempting to bind")),
+    # torch.distributed's rendezvous: the c10d store cannot be reached or set up (multi-node
+    # --dist-init-addr / MASTER_ADDR unreachable, a firewall, a wrong node rank)
+    ("dist", _re.compile(r"The client socket has (?:timed out|failed)|\bDist(?:Network|Store)Error\b|"
+                         r"Rendezvous(?:Connection|Timeout|Closed)Error|TCPStore.*(?:timed out|[Ff]ailed)|connect\(\) timed out")),
+    # a Rust panic (SGLang's router, TGI's launcher): no Python traceback at all
+    ("panic", _re.compile(r"\bthread '[^'\n]*' panicked at\b|^panicked at '")),
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
     ("hub", _re.compile(r"Cannot access gated repo|is restricted\. You must (?:have access|be authenticated)|"
                         r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
@@ -56,19 +76,20 @@ _ERROR_CLASSES = [
                          r"died with (?:exit code|signal)", _re.I)),
 ]
 _CONSEQUENCE = ("exit",)
+_WEAK = ("hint",)  # a cause only when nothing stronger is there
 _GAP = 25          # lines between pieces of evidence that belong to one failure
 _MAX_DETAILS = 40
 _MAX_FINDINGS = 60
 
 
 # Every error class needs one of these words: a cheap test before the regexes.
-_ERROR_WORDS = ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal", "kernel image", "misaligned", "launch failure", "Watchdog",
+_ERROR_WORDS = ("CUDA", "cuda", "Assertion", "CUBLAS", "CUDNN", "illegal", "kernel image", "misaligned", "launch failure", "Watchdog",
                 "NCCL", "nccl", "Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Piecewise",
                 "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
                 "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
                 "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
                 "validation error", ": error: ", "gated repo", "restricted", "Client Error", "Repository Not Found",
-                "couldn't connect")
+                "couldn't connect", "socket has", "Dist", "Rendezvous", "timed out", "panicked")
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
@@ -186,6 +207,7 @@ class _Stream(object):
             t = ln.text
             s = t.strip()
             if (_TB_START.search(t) or _CAUSE in s or _CONTEXT in s or _FRAME.match(t) or _PROCESS_HEADER.match(t) or _TERMINATE.search(t)
+                    or (s[:2] == "+-" and _SUB_EXCEPTION.match(s))
                     or _FATAL.search(t) or _RAISED_FROM.search(t) or _CXX_FRAME.match(t)
                     or (ln.new_record and ln.new_record != header) or (level and ln.level and ln.level != level)):
                 break
@@ -229,12 +251,15 @@ class _Stream(object):
             i += 1
         return i
 
-    def abort(self, i):
+    def abort(self, i, header=True):
+        """`terminate called ...` and its what(); header=False: a what() whose terminate line is
+        not in the log (an excerpt cut just above it): the C++ type is then unknown ("")."""
         ln = self.lines[i]
-        m = _TERMINATE.search(ln.text)
-        item = {"kind": "abort", "type": m.group("type") or m.group(0), "what": "", "raised_from": None,
+        m = _TERMINATE.search(ln.text) if header else None
+        item = {"kind": "abort", "type": (m.group("type") or m.group(0)) if m else "", "what": "", "raised_from": None,
                 "cxx_frames": [], "line": ln.no, "last": ln.no, "rank": ln.rank}
-        i += 1
+        if header:
+            i += 1
         # ranks aborting at once interleave their `terminate called` lines: find the what()
         for j in range(i, min(self.n, i + 8)):
             t = self.text(j)
@@ -320,7 +345,7 @@ class _Stream(object):
                     context = self._message_above(i)
                 exc, i = self.exception(i + 1, i, context=context)
                 # a traceback logged as a warning or info (a retried import, a fallback) is no failure
-                if ln.level not in _QUIET_LEVELS:
+                if ln.level not in _QUIET_TRACEBACK:
                     self.items.append(("exc", exc))
                 continue
             s = t.strip()
@@ -328,8 +353,17 @@ class _Stream(object):
                 self.items.append(("sep", {"line": ln.no, "cause": _CAUSE in s}))
                 i += 1
                 continue
+            if s[:2] == "+-" and _SUB_EXCEPTION.match(s):
+                if " -" in s:  # the closing `+------` line separates nothing
+                    self.items.append(("sep", {"line": ln.no, "cause": True, "sub": True}))
+                i += 1
+                continue
             if "terminate called" in t and _TERMINATE.search(t):
                 item, i = self.abort(i)
+                self.items.append(("abort", item))
+                continue
+            if "what():" in t and _WHAT.match(t) and not ln.level in _QUIET_LEVELS:
+                item, i = self.abort(i, header=False)
                 self.items.append(("abort", item))
                 continue
             if "Fatal Python error" in t:
@@ -357,7 +391,11 @@ class _Stream(object):
                     self.items.append(("exc", exc))
                 continue
             quiet = ln.level in _QUIET_LEVELS
-            m = _EXC_EMBEDDED.search(t) if not quiet and ": " in t and any(w in t for w in _EXC_WORDS) else None
+            m = None
+            if not quiet and ": " in t and any(w in t for w in _EXC_WORDS):
+                m = _EXC_EMBEDDED.search(t)
+                if m is None and "): " in t:
+                    m = _EXC_REPR.search(t)
             if m and not _EXC_EMBEDDED.search(t[:m.start()] or "-"):
                 exc = {"type": m.group("type"), "message": m.group("msg").strip(), "details": [], "frames": [],
                        "user_frames": [], "skipped_call": None, "context": t[:m.start()].strip(), "has_traceback": False,
@@ -369,6 +407,9 @@ class _Stream(object):
             if cls:
                 item = {"kind": "line", "class": cls, "text": s, "line": ln.no, "last": ln.no, "rank": ln.rank}
                 i += 1
+                # a panic's message is on the line after `panicked at FILE:LINE:COL:` (Rust >= 1.73)
+                if cls == "panic" and s.endswith(":") and i < self.n and self.text(i).strip():
+                    item["text"] = s + " " + self.text(i).strip()
                 # a C++ message's own trace follows it
                 while i < self.n and self.text(i).strip() and not _RAISED_FROM.search(self.text(i)) and i < self.n \
                         and not _FRAME.match(self.text(i)) and not _TB_START.search(self.text(i)) and not classify(self.text(i)) \
@@ -400,8 +441,14 @@ def _chains(items):
         if kind == "exc":
             if pending is not None and prev_exc is not None and pending["line"] - prev_exc["last"] <= 60:
                 prev_chain = out[-1]
-                prev_chain["chain"].append(item)
-                prev_chain["links"].append("cause" if pending["cause"] else "context")
+                group = next((k for k, e in enumerate(prev_chain["chain"]) if _GROUP.search(e.get("type") or "")), None)
+                if pending.get("sub") and group is not None:
+                    # a sub-exception of an ExceptionGroup is what the group reports: its cause
+                    prev_chain["chain"].insert(group, item)
+                    prev_chain["links"].insert(group, "group")
+                else:
+                    prev_chain["chain"].append(item)
+                    prev_chain["links"].append("cause" if pending["cause"] else "context")
                 prev_chain["last"] = max(prev_chain["last"], item["last"])
             else:
                 out.append({"kind": "python", "chain": [item], "links": [], "line": item["line"], "last": item["last"],
@@ -508,22 +555,40 @@ def describe(exc):
 
 def _death(f):
     if f["abort"]:
-        return "%s: %s" % (f["abort"]["type"], f["abort"]["what"].split("\n")[0])
+        what = f["abort"]["what"].split("\n")[0]
+        return "%s: %s" % (f["abort"]["type"], what) if f["abort"]["type"] else what
     if f["fatal"]["message"] == NO_FATAL_LINE:
         return NO_FATAL_LINE
     return "Fatal Python error: " + f["fatal"]["message"]
 
 
+_WORDS_ONLY = _re.compile(r"\W+")
+
+
+def _repeats(text, chain):
+    """Whether an error line says what an exception of the chain says (its message in a repr,
+    wrapped, or logged again): the line's words, in order, are part of the exception's message."""
+    words = _WORDS_ONLY.sub(" ", text).strip()
+    if len(words) < 12:
+        return False
+    for exc in chain:
+        if exc.get("type") and words in _WORDS_ONLY.sub(" ", exc.get("message") or ""):
+            return True
+    return False
+
+
 def summarise(f):
     """Root and final exception of a failure, as the user reads them."""
-    causes = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE]
+    strong = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE and e["class"] not in _WEAK]
+    causes = strong + [e for e in f["errors"] if e["class"] in _WEAK]
     if f["chain"]:
         typed = [e for e in f["chain"] if e.get("type")]
         if typed:
             root, final = describe(typed[0]), describe(f["chain"][-1])
-            # an error printed above the traceback (a kernel's CUDA error) is the earlier cause
-            if causes and causes[0]["line"] < f["chain"][0]["line"]:
-                root = causes[0]["text"]
+            # an error printed above the traceback (a kernel's CUDA error) is the earlier cause,
+            # unless it only repeats the exception (a logger's message, a repr of it)
+            if strong and strong[0]["line"] < f["chain"][0]["line"] and not _repeats(strong[0]["text"], f["chain"]):
+                root = strong[0]["text"]
         elif f["fatal"] or f["abort"]:
             # frames without their exception line, then the process died: the death says more
             root = final = _death(f)
@@ -536,7 +601,7 @@ def summarise(f):
     elif f["abort"] or f["fatal"]:
         root = final = _death(f)
     else:
-        causes = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE] or f["errors"]
+        causes = causes or f["errors"]
         root, final = causes[0]["text"], f["errors"][-1]["text"]
     return root, final
 
@@ -568,6 +633,17 @@ def scan(text):
     last_real = None
     for k, f in enumerate(failures):
         only_lines = f["kind"] == "errors" and not f["cxx"]
+        if only_lines and all(e["class"] in _WEAK for e in f["errors"]):
+            # advice only (another rank's copy of SGLang's piecewise hint): it belongs to the
+            # failure it advises on, the next one close below it, or the last one above
+            g = next((g for g in failures[k + 1:k + 6] if g["line"] - f["last"] <= _GAP
+                      and (g["kind"] != "errors" or any(e["class"] not in _WEAK for e in g["errors"]))), None)
+            if g is not None or last_real is not None:
+                g = g if g is not None else last_real
+                g["errors"] = sorted(g["errors"] + f["errors"], key=lambda e: e["line"])
+                g["line"], g["last"] = min(g["line"], f["line"]), max(g["last"], f["last"])
+                f["absorbed"] = True
+                continue
         near = None
         if only_lines and f["rank"] == "":
             for g in failures[max(0, k - 4):k] + failures[k + 1:k + 5]:
