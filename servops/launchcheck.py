@@ -12,6 +12,9 @@ needs.
 Refusals are one line per problem, naming the flag, the host's sglang version and, for a flag
 sglang does not know, the closest flags it does know:
     --cuda-graph-max-bz: unrecognized on sglang 0.5.23; did you mean --cuda-graph-max-bs-decode, ...?
+A variant whose `when:` rules refuse the host's release (its intent does not exist there) is
+refused first, in its own words:
+    piecewise cannot run on sglang 0.5.2: no piecewise CUDA graph before sglang 0.5.3.post2 ...
 """
 
 from __future__ import annotations
@@ -123,6 +126,14 @@ def _problem_lines(result: dict, version: str | None, static: bool) -> list[str]
     return lines
 
 
+def refusal_line(variant_name: str, version: str | None, resolved: dict) -> str | None:
+    """A `when:` rule's refusal (the host's release lacks what the variant is for), as the
+    first problem line, naming the variant and the version; None when no rule refused."""
+    if not resolved.get("refuse"):
+        return None
+    return f"{variant_name} cannot run on sglang {version}: {resolved['refuse']}"
+
+
 def _fact_problems(check: LaunchCheck, result: dict, res: dict) -> list[str]:
     problems = []
     double = check.server_module in DOUBLE_MODULES
@@ -189,6 +200,9 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
                    "prog": info.get("prog")}
     problems: list[str] = []
     warnings: list[str] = []
+    refused = refusal_line(check.variant_name, version, resolved)
+    if refused:
+        problems.append(refused)
     if version is None:
         if module.startswith(REAL_MODULE_PREFIX):
             problems.append(f"sglang is not installed for {res.get('python')} (server_module {module})")
@@ -204,6 +218,16 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
         unchecked = sorted(used & set(info.get("unchecked") or []))
         if static and unchecked:
             warnings.append(f"static check: values of {', '.join(unchecked)} were not checked (computed at run time)")
+        skipped = info.get("skipped") or []
+        if static and skipped:
+            warnings.append(f"static check: {len(skipped)} flag registration(s) of sglang {version} could not be "
+                            f"read ({skipped[0]}{', ...' if len(skipped) > 1 else ''}); a flag reported "
+                            f"unrecognized may still exist there")
+    missing = (facts.get("model") or {}).get("missing_architectures")
+    if missing and version and module not in DOUBLE_MODULES:
+        warnings.append(f"model architecture {', '.join(missing)} (its config.json) is not among sglang {version}'s "
+                        f"models: the launch fails unless something else serves it (--model-impl transformers, "
+                        f"an external model package)")
     problems.extend(_fact_problems(check, result, res))
     check.problems = [hs.redactor(p) for p in problems]
     check.warnings = [hs.redactor(w) for w in warnings]

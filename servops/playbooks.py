@@ -14,7 +14,15 @@ specifiers):
 
 Every rule whose specifier contains the host's version is merged over the variant in order, with
 the same rules as `extends` (maps merge, `null` drops a key); rules may set `server_args`, `env`
-and `health`. A child's rules come after its parent's, so they win. With no sglang on the host
+and `health`. Where a variant's intent does not exist on some releases, a rule says so and the
+launch preflight refuses there, in one line naming the host's version:
+
+    when:
+      - sglang: "<0.5.3.post2"
+        refuse: no piecewise CUDA graph before sglang 0.5.3.post2
+
+(`resolve()` leaves the text in the variant's `refuse` key; the last refusing rule wins.)
+A child's rules come after its parent's, so they win. With no sglang on the host
 (the lab's double), no rule applies. `resolve()` does the merge; `when_branches()` lists every
 combination of rules some version could select (the launch preflight checks them all at once).
 """
@@ -40,7 +48,7 @@ _LISTS = ("patches", "crash_signatures")
 # No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
-WHEN_KEYS = ("sglang", "note", "rename", "server_args", "env", "health")
+WHEN_KEYS = ("sglang", "note", "refuse", "rename", "server_args", "env", "health")
 _WHEN_MAPS = ("server_args", "env", "health")
 
 
@@ -95,8 +103,10 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
                     for k, v in rename.items()):
                 raise VariantError(f"{where}.rename: a mapping of old flag -> new flag, e.g. "
                                    f"{{cuda-graph-max-bs: cuda-graph-max-bs-decode}}")
-        if not any(rule.get(k) for k in _WHEN_MAPS + ("rename",)):
-            raise VariantError(f"{where}: sets nothing; give rename, server_args, env or health")
+        if "refuse" in rule and (not isinstance(rule["refuse"], str) or not rule["refuse"].strip()):
+            raise VariantError(f"{where}.refuse: one line saying why the variant cannot run on those releases")
+        if not any(rule.get(k) for k in _WHEN_MAPS + ("rename", "refuse")):
+            raise VariantError(f"{where}: sets nothing; give rename, server_args, env, health or refuse")
         if "note" in rule and not isinstance(rule["note"], str):
             raise VariantError(f"{where}.note: must be text")
         out.append(dict(rule, sglang=spec.strip(), source=name))
@@ -166,6 +176,8 @@ def describe_rule(rule: dict) -> str:
                 changes.append(f"+{prefix}{k}")
             else:
                 changes.append(f"+{prefix}{k}={v}")
+    if rule.get("refuse"):
+        changes.append(f"REFUSE: {rule['refuse']}")
     note = f" ({rule['note']})" if rule.get("note") else ""
     return f"{rule.get('source', '?')}.yml when sglang {rule['sglang']}: {' '.join(changes)}{note}"
 
@@ -202,6 +214,8 @@ def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
                 args[rule["rename"].get(k, k)] = v
             out = dict(out, server_args=args)
         out = _merge(out, {k: rule[k] for k in _WHEN_MAPS if rule.get(k)})
+        if rule.get("refuse"):  # the last refusing rule (a child's) says why
+            out["refuse"] = " ".join(rule["refuse"].split())
         applied.append(describe_rule(rule))
     out["when"] = []
     return out, applied

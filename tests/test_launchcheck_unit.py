@@ -254,3 +254,150 @@ def test_refusal_is_one_line():
     assert "(+1 more: invoke check --variant typo -H h1)" in text
     check.ok, check.problems = True, []
     raise_if_refused(check, "h1")
+
+
+# ------------------------------------- static read: what the 0.4.0-0.5.23 sweep needed it to read
+
+OLD_STYLE = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/utils/__init__.py": "from sglang.srt.utils.common import *\n",
+    "sglang/srt/utils/common.py": "LORA_MODULES = ['q_proj', 'k_proj']\nLORA_ALL = 'all'\n",
+    "sglang/srt/base.py": """
+        from sglang.srt.arg_utils import A, Arg
+
+        class Base:
+            inherited: A[int, "from a base class"] = 1
+        """,
+    "sglang/srt/server_args.py": """
+        from sglang.srt.arg_utils import A, Arg, add_cli_args_from_dataclass
+        from sglang.srt.utils import LORA_ALL, LORA_MODULES
+        from sglang.srt.base import Base
+
+        class ServerArgs(Base):
+            dcp_size: A[int, Arg(help="first", aliases=["--decode-cp-size"])] = 1
+            checksum: A[Optional[str], Arg(help="c", nargs="?", const="")] = None
+            dcp_size: A[int, Arg(help="declared twice", aliases=["--decode-cp-size"])] = 1
+
+            @staticmethod
+            def add_cli_args(parser):
+                add_cli_args_from_dataclass(parser, ServerArgs)
+                ATTN = ["triton", "fa3"]
+                parser.add_argument("--attention-backend", choices=ATTN)
+                grown = ["a"]
+                if something():
+                    grown.append("b")
+                parser.add_argument("--grown", choices=grown)
+                parser.add_argument("--lora-target-modules", nargs="*", choices=LORA_MODULES + [LORA_ALL])
+                parser.add_argument("--ratio", type=float, nargs="?", const=0.5)
+        """,
+}
+
+
+@pytest.fixture
+def old_style(tmp_path):
+    for rel, text in OLD_STYLE.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(tmp_path / "sglang")
+
+
+def test_static_read_of_locals_star_imports_bases_and_twice_declared_fields(old_style):
+    p = sa.static_parser(old_style)
+    assert p.servops_skipped == []  # 0.5.15's dcp_size declared twice is one flag, as dataclasses make it
+    acts = p._option_string_actions
+    assert acts["--dcp-size"] is acts["--decode-cp-size"] and "--inherited" in acts
+    assert acts["--attention-backend"].choices == ["triton", "fa3"]  # a constant local of add_cli_args
+    assert acts["--grown"].choices is None and "--grown" in p.servops_unchecked  # mutated: run time
+    assert acts["--lora-target-modules"].choices == ["q_proj", "k_proj", "all"]  # through utils' `import *`
+    assert acts["--checksum"].const == "" and acts["--ratio"].const == 0.5
+    assert not sa.validate(p, ["--attention-backend", "fa4"])["ok"]
+    values = sa.validate(p, ["--ratio", "--checksum"])["values"]
+    assert values["ratio"] == 0.5 and values["checksum"] == ""  # a bare flag stores its const, as in sglang
+
+
+def test_a_reordered_flag_is_the_first_suggestion(old_style):
+    p = sa.static_parser(old_style)
+    assert sa.suggestions(p, "--backend-attention")[0] == "--attention-backend"
+
+
+def test_a_rule_can_refuse_a_release_in_one_line(tmp_path):
+    root = books(tmp_path, a="""
+        server_args: {x: 1}
+        when:
+          - sglang: "<0.5"
+            refuse: "no x before sglang 0.5"
+        """, b="""
+        extends: a
+        when:
+          - sglang: "<0.6"
+            refuse: "no y before sglang 0.6"
+            server_args: {y: 2}
+        """)
+    resolved, rules = resolve(load_variant("b", root), "0.4.9")
+    assert resolved["refuse"] == "no y before sglang 0.6" and "REFUSE: no x before sglang 0.5" in rules[0]
+    assert not resolve(load_variant("b", root), "0.6")[0].get("refuse")
+    from servops.launchcheck import refusal_line
+    assert refusal_line("b", "0.4.9", resolved) == "b cannot run on sglang 0.4.9: no y before sglang 0.6"
+    with pytest.raises(VariantError, match=r"when\[0\]\.refuse: one line"):
+        load_variant("c", books(tmp_path, c="when: [{sglang: '<1', refuse: 3}]\n"))
+    # the shipped variants: refused where their intent does not exist, in their own words
+    assert resolve(load_variant("piecewise"), "0.5.2")[0]["refuse"].startswith("no piecewise CUDA graph before")
+    assert resolve(load_variant("baseline"), "0.4.10")[0]["refuse"].startswith("no --moe-runner-backend before")
+    assert not resolve(load_variant("piecewise"), "0.5.3.post2")[0].get("refuse")
+
+
+HELPERS = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/extra_args.py": """
+        def add_lora_args(parser, prefix="lora"):
+            group = parser.add_argument_group("LoRA")
+            group.add_argument(f"--{prefix}-paths", nargs="*")
+        """,
+    "sglang/srt/server_args.py": """
+        import argparse
+        from sglang.srt import extra_args
+        from sglang.srt.extra_args import add_lora_args
+
+        PHASES = ("decode", "prefill")
+
+        def _add_deprecated(parser, old, new):
+            parser.add_argument(old, dest=new.lstrip("-").replace("-", "_"), type=int)
+
+        class ServerArgs:
+            @staticmethod
+            def add_cli_args(parser: argparse.ArgumentParser):
+                for phase in PHASES:
+                    parser.add_argument(f"--cuda-graph-max-bs-{phase}", type=int)
+                for old, new in [("--max-bs", "--cuda-graph-max-bs-decode")]:
+                    _add_deprecated(parser, old, new)
+                ServerArgs._add_more(parser)
+                add_lora_args(parser)
+                extra_args.add_lora_args(parser, prefix="adapter")
+                plugins.register(parser)
+
+            @staticmethod
+            def _add_more(parser):
+                parser.add_argument("--more", action=argparse.BooleanOptionalAction)
+        """,
+}
+
+
+def test_static_read_follows_loops_fstrings_and_helper_functions(tmp_path):
+    """Flags a future release may register in a loop or through helpers are read; what cannot be
+    followed (a plugin hook) is listed as skipped, not silently missing."""
+    for rel, text in HELPERS.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    p = sa.static_parser(str(tmp_path / "sglang"))
+    acts = p._option_string_actions
+    for flag in ("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--max-bs", "--more", "--no-more",
+                 "--lora-paths", "--adapter-paths"):
+        assert flag in acts, flag
+    assert acts["--max-bs"].dest == "cuda_graph_max_bs_decode" and acts["--max-bs"].type is int
+    assert len(p.servops_skipped) == 1 and p.servops_skipped[0].startswith("flags that plugins.register(parser)")
+    res = sa.validate(p, ["--cuda-graph-max-bs", "8"])
+    assert res["problems"][0]["kind"] == "ambiguous"

@@ -60,10 +60,52 @@ def model_fact(path):
         # org/name: sglang resolves it through the model hub (or its cache) at load time
         return {"path": path, "state": "hub-id"}
     if os.path.isdir(expanded):
-        return {"path": path, "state": "dir", "config": os.path.isfile(os.path.join(expanded, "config.json"))}
+        config = os.path.join(expanded, "config.json")
+        fact = {"path": path, "state": "dir", "config": os.path.isfile(config)}
+        if fact["config"]:
+            try:
+                with open(config, encoding="utf-8") as fh:
+                    archs = _json.load(fh).get("architectures")
+                if isinstance(archs, list) and all(isinstance(a, str) for a in archs):
+                    fact["architectures"] = archs[:8]
+            except (OSError, ValueError, AttributeError):
+                pass
+        return fact
     if os.path.isfile(expanded):
         return {"path": path, "state": "file"}
     return {"path": path, "state": "missing"}
+
+
+_ARCHS = {}
+
+
+def missing_architectures(pkg, archs):
+    """Of the model's config.json architectures, those no `EntryClass` module under sglang's
+    srt/models defines a class for (read as text, not imported: sglang's ModelRegistry registers
+    each module's EntryClass by class name). GLM-5's GlmMoeDsaForCausalLM, e.g., ships from 0.5.9."""
+    if not pkg or not archs:
+        return []
+    models = os.path.join(pkg, "srt", "models")
+    if not os.path.isdir(models):
+        return []
+    want = [a for a in archs if a not in _ARCHS]
+    if want:
+        found = set()
+        pattern = re.compile(r"^class\s+(%s)\b" % "|".join(re.escape(a) for a in want), re.M)
+        for root, _dirs, files in os.walk(models):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                try:
+                    with open(os.path.join(root, name), encoding="utf-8", errors="replace") as fh:
+                        text = fh.read()
+                except OSError:
+                    continue
+                if "EntryClass" in text:
+                    found.update(m.group(1) for m in pattern.finditer(text))
+        for a in want:
+            _ARCHS[a] = a in found
+    return [a for a in archs if not _ARCHS[a]]
 
 
 _KEEP = ("model_path", "port", "host", "tp_size", "pp_size", "dp_size", "nnodes", "node_rank",
@@ -162,7 +204,10 @@ def main():
         else:
             result["values"] = _values_without_parser(argv)
         values = result.get("values") or {}
-        result["facts"] = {"model": model_fact(values.get("model_path")), "gpus_needed": gpus_needed(values)}
+        model = model_fact(values.get("model_path"))
+        if model and model.get("architectures") and pkg:
+            model["missing_architectures"] = missing_architectures(pkg, model["architectures"])
+        result["facts"] = {"model": model, "gpus_needed": gpus_needed(values)}
         out["branches"][branch.get("id", str(len(out["branches"])))] = result
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)

@@ -9,12 +9,18 @@
 #           ServerArgs(...) / __post_init__ / resolution: no model config, no GPU.
 #   static  when sglang cannot be imported (a missing dependency, a broken CUDA stack): the same
 #           parser rebuilt from sglang's source by reading it (AST): every `parser.add_argument`
-#           in `ServerArgs.add_cli_args`, and every `A[T, ...]` field that
-#           `add_cli_args_from_dataclass` turns into a flag (on ServerArgs itself, as in 0.5.15,
-#           or on the `_INPUT_NAMESPACES` classes, as in 0.5.23). Flag names, arity, bool flags,
-#           int/float types and choices that are literals or module constants are exact; a custom
-#           `type=` function is not run (its value is accepted), and choices computed at run time
-#           are not checked.
+#           in `ServerArgs.add_cli_args` (loops over constants unrolled, f-string names, argument
+#           groups, and the helper functions it hands the parser to, followed), and every
+#           `A[T, ...]` field that `add_cli_args_from_dataclass` turns into a flag (on ServerArgs
+#           itself, as in 0.5.15, or on the `_INPUT_NAMESPACES` classes, as in 0.5.23; base
+#           classes' fields first, a field declared twice once, as dataclasses.fields() does).
+#           Flag names, aliases, arity, bool flags, int/float types, consts and choices that are
+#           literals, module constants (through `import *` too) or add_cli_args' own constant
+#           locals are exact; a custom `type=` function is not run (its value is accepted),
+#           choices computed at run time are not checked (`servops_unchecked`), and a call that
+#           cannot be followed is listed in `servops_skipped`. Swept over every release
+#           0.4.0-0.5.23 (tests/test_sglang_release_sweep.py); equal to the real parser on the 16
+#           releases whose parser imports here (bench/sglang_release_sweep.py).
 import argparse
 import ast
 import difflib
@@ -56,16 +62,23 @@ def sglang_package():
 
 
 def sglang_version(pkg_dir=None):
-    """The installed sglang's version: its distribution metadata, else its _version.py/version.py."""
+    """The version of the sglang package that imports: its own version.py/_version.py (every
+    release 0.4.0-0.5.23 has one), else the distribution metadata. The package's file first: a
+    checkout on PYTHONPATH in front of an installed wheel is the one that launches."""
+    pkg_dir = pkg_dir or sglang_package()
+    found = _package_version(pkg_dir) if pkg_dir else None
+    if found:
+        return found
     if _metadata is not None:
         try:
             return _metadata.version("sglang")
         except Exception:
             pass
-    pkg_dir = pkg_dir or sglang_package()
-    if not pkg_dir:
-        return None
-    for name in ("_version.py", "version.py"):
+    return None
+
+
+def _package_version(pkg_dir):
+    for name in ("version.py", "_version.py"):
         try:
             with open(os.path.join(pkg_dir, name), encoding="utf-8") as fh:
                 tree = ast.parse(fh.read())
@@ -145,6 +158,10 @@ class _ClassRef(object):
         self.module, self.node = module, node
 
 
+class _FuncRef(_ClassRef):
+    pass
+
+
 def _dotted(node):
     if isinstance(node, ast.Name):
         return node.id
@@ -202,6 +219,8 @@ class _Source(object):
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and node.name == name:
                 found = ("class", node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                found = ("function", node)
             elif isinstance(node, ast.Assign):
                 if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
                     found = ("value", node.value)
@@ -212,6 +231,14 @@ class _Source(object):
                 for alias in node.names:
                     if (alias.asname or alias.name) == name:
                         found = ("import", (self._absolute(module, node), alias.name))
+                    elif alias.name == "*" and found is None:
+                        # `from .common import *` (sglang.srt.utils re-exports utils.common)
+                        star = self._absolute(module, node)
+                        try:
+                            self.binding(star, name, depth + 1)
+                            found = ("import", (star, name))
+                        except _Unknown:
+                            pass
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname == name or (alias.asname is None and alias.name.split(".")[0] == name):
@@ -221,6 +248,8 @@ class _Source(object):
         kind, what = found
         if kind == "class":
             return _ClassRef(module, what)
+        if kind == "function":
+            return _FuncRef(module, what)
         if kind == "value":
             return (module, what)
         if kind == "module":
@@ -256,6 +285,16 @@ class _Source(object):
             if isinstance(left, str) and isinstance(right, str):
                 return left + right
             raise _Unknown("+")
+        if isinstance(node, ast.JoinedStr):  # f"--cuda-graph-max-bs-{phase}" in a loop over phases
+            parts = []
+            for part in node.values:
+                if isinstance(part, ast.Constant):
+                    parts.append(str(part.value))
+                elif isinstance(part, ast.FormattedValue) and part.format_spec is None and part.conversion in (-1, 115):
+                    parts.append(str(ev(part.value)))
+                else:
+                    raise _Unknown("f-string")
+            return "".join(parts)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -ev(node.operand)
         if isinstance(node, ast.Name):
@@ -287,6 +326,11 @@ class _Source(object):
             if not isinstance(inner, (list, tuple)):
                 raise _Unknown("call")
             return sorted(inner) if node.func.id == "sorted" else list(inner)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords \
+                and node.func.attr in ("lstrip", "rstrip", "strip", "replace", "lower", "upper", "format"):
+            base = ev(node.func.value)
+            if isinstance(base, str):
+                return getattr(base, node.func.attr)(*[ev(a) for a in node.args])
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "keys" \
                 and not node.args:
             inner = ev(node.func.value)
@@ -295,7 +339,7 @@ class _Source(object):
         raise _Unknown(type(node).__name__)
 
     def _bound_value(self, bound, depth):
-        if isinstance(bound, _ClassRef):
+        if isinstance(bound, _ClassRef):  # a class or a function
             raise _Unknown("class")
         if isinstance(bound, tuple) and bound[0] != "module":
             return self.value(bound[0], bound[1], None, depth + 1)
@@ -326,7 +370,21 @@ class _Source(object):
                 bound = None
         except _Unknown:
             return None
-        return bound if isinstance(bound, _ClassRef) else None
+        return bound if isinstance(bound, _ClassRef) and not isinstance(bound, _FuncRef) else None
+
+
+_PARSER = object()  # a helper's parameter that receives the parser
+
+
+def _bind_target(target, value, scope):
+    """Bind a for-loop target to one constant item (tuples unpacked); False if it cannot be."""
+    if isinstance(target, ast.Name):
+        scope[target.id] = ast.Constant(value)
+        return True
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (list, tuple)) \
+            and len(value) == len(target.elts):
+        return all(_bind_target(t, v, scope) for t, v in zip(target.elts, value))
+    return False
 
 
 class StaticAction(argparse.Action):
@@ -367,15 +425,53 @@ class _StaticBuilder(object):
     def __init__(self, pkg_dir):
         self.src = _Source(pkg_dir)
         self.module = "sglang.srt.server_args"
+        self.scope = None         # names -> AST of the function being read (its constants, loop values)
+        self.scope_module = None
         self.unchecked = []   # flags whose choices or type could not be read statically
         self.skipped = []     # add_argument calls that could not be read at all
 
     # -- helpers
     def _val(self, module, node, default=None):
         try:
-            return self.src.value(module, node)
+            return self.src.value(module, node, self.scope if module == self.scope_module else None)
         except (_Unknown, RecursionError):
             return default
+
+    @staticmethod
+    def _locals(func):
+        """Names assigned once in `func` and never changed after (e.g. 0.5.1's `ATTN_BACKENDS =
+        [...]` inside add_cli_args): usable as constants. A name assigned twice, augmented, or
+        mutated through a method call (`choices.add(...)` under an `if`) stays unknown."""
+        assigned, spoiled = {}, set()
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        if t.id in assigned:
+                            spoiled.add(t.id)
+                        assigned[t.id] = node.value
+                    else:
+                        for sub in ast.walk(t):
+                            if isinstance(sub, ast.Name):
+                                spoiled.add(sub.id)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and isinstance(node.target, ast.Name):
+                spoiled.add(node.target.id)
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                for sub in ast.walk(node.target):
+                    if isinstance(sub, ast.Name):
+                        spoiled.add(sub.id)
+            elif isinstance(node, (ast.With,)):
+                for item in node.items:
+                    for sub in ast.walk(item.optional_vars) if item.optional_vars is not None else []:
+                        if isinstance(sub, ast.Name):
+                            spoiled.add(sub.id)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name):
+                spoiled.add(node.func.value.id)
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name):
+                spoiled.add(node.value.id)
+        return dict((k, v) for k, v in assigned.items() if k not in spoiled)
 
     def _custom_action(self, module, node):
         """(argparse action value, class name, declared nargs default) for an `action=` expression."""
@@ -428,8 +524,8 @@ class _StaticBuilder(object):
                 value = self._val(module, raw[key], None)
                 if value is not None:
                     kw[key] = value
-        if "const" in raw and kw.get("action") in ("store_const", "append_const"):
-            kw["const"] = self._val(module, raw["const"], None)
+        if "const" in raw and (kw.get("action") in ("store_const", "append_const") or kw.get("nargs") == "?"):
+            kw["const"] = self._val(module, raw["const"], None)  # the value of a bare `--flag`
         if "type" in raw:
             tname = _dotted(raw["type"])
             if tname in _BUILTIN_TYPES:
@@ -552,6 +648,10 @@ class _StaticBuilder(object):
         else:
             parser_fn = _opaque(type_parser) if type_parser else None
 
+        if "const" in meta:  # Arg(const=...): what a bare `--flag` stores (nargs="?")
+            const = self._val(module, meta["const"], None)
+            if const is not None:
+                kw["const"] = const
         if head == "Literal":
             literal = [self._val(module, p, None) for p in self._subscript_parts(inner)]
             kw["choices"] = list(choices) if choices else literal
@@ -567,6 +667,7 @@ class _StaticBuilder(object):
                 kw["choices"] = list(choices)
         elif head == "bool":
             kw["action"] = "store_true"
+            kw.pop("const", None)
         else:
             if parser_fn:
                 kw["type"] = parser_fn
@@ -582,6 +683,180 @@ class _StaticBuilder(object):
             if required is True or (required is None and not has_default):
                 kw["required"] = True
         self.add(parser, names, kw, cli_name)
+
+    def dataclass_fields(self, module, cls, out, depth=0):
+        """name -> (module, AnnAssign) as dataclasses.fields() lists them: base classes' fields
+        first, and a field declared twice (0.5.15's dcp_size) once, where it first appeared,
+        with its last declaration."""
+        if depth > 8:
+            return out
+        for base in cls.bases:
+            ref = self.src.class_def(module, base)
+            if ref is not None:
+                self.dataclass_fields(ref.module, ref.node, out, depth + 1)
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                out[stmt.target.id] = (module, stmt)
+        return out
+
+    # -- add_cli_args' body, statement by statement, into the helpers it calls
+    def run_function(self, parser, module, func, bound, parser_names, depth, stack):
+        """Read the flags `func` registers: its add_argument calls (constant loops unrolled),
+        add_cli_args_from_dataclass, and the helper functions it hands the parser to."""
+        if depth > 8 or func in stack:
+            return
+        scope = self._locals(func)
+        args = func.args.args
+        params = [a.arg for a in args]
+        parser_names = set(parser_names)
+        for name, node in bound.items():
+            if node is _PARSER:
+                parser_names.add(name)
+                scope.pop(name, None)
+            else:
+                scope[name] = node
+        for arg, dflt in zip(args[len(args) - len(func.args.defaults):], func.args.defaults):
+            if arg.arg not in bound and arg.arg in params:
+                scope.setdefault(arg.arg, dflt)
+        for node in ast.walk(func):  # argument groups are parsers too
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                    _dotted(node.value.func).split(".")[-1] in ("add_argument_group", "add_mutually_exclusive_group"):
+                parser_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        self.visit(parser, module, func.body, scope, parser_names, depth, stack + [func])
+
+    def visit(self, parser, module, stmts, scope, parser_names, depth, stack):
+        for stmt in stmts:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(stmt, ast.For):
+                try:
+                    items = self.src.value(module, stmt.iter, scope)
+                except (_Unknown, RecursionError):
+                    items = None
+                if isinstance(items, dict):
+                    items = list(items)
+                if isinstance(items, (list, tuple)):
+                    for item in items:
+                        inner = dict(scope)
+                        if not _bind_target(stmt.target, item, inner):
+                            break
+                        self.visit(parser, module, stmt.body, inner, parser_names, depth, stack)
+                    continue
+                self.visit(parser, module, stmt.body, scope, parser_names, depth, stack)
+                continue
+            if isinstance(stmt, (ast.If, ast.While)):
+                self.calls(parser, module, stmt.test, scope, parser_names, depth, stack)
+                self.visit(parser, module, stmt.body, scope, parser_names, depth, stack)
+                self.visit(parser, module, stmt.orelse, scope, parser_names, depth, stack)
+                continue
+            if isinstance(stmt, (ast.With, getattr(ast, "AsyncWith", ast.With))):
+                self.visit(parser, module, stmt.body, scope, parser_names, depth, stack)
+                continue
+            if isinstance(stmt, ast.Try):
+                for block in [stmt.body, stmt.orelse, stmt.finalbody] + [h.body for h in stmt.handlers]:
+                    self.visit(parser, module, block, scope, parser_names, depth, stack)
+                continue
+            self.calls(parser, module, stmt, scope, parser_names, depth, stack)
+
+    def calls(self, parser, module, node, scope, parser_names, depth, stack):
+        found = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+        found.sort(key=lambda n: (n.lineno, n.col_offset))
+        for call in found:
+            fname = _dotted(call.func)
+            last = fname.split(".")[-1]
+            saved = (self.scope, self.scope_module)
+            self.scope, self.scope_module = scope, module
+            try:
+                if last == "add_argument":
+                    self.explicit(parser, module, call)
+                elif last == "add_cli_args_from_dataclass":
+                    self.from_dataclass(parser, module, call)
+                elif any(isinstance(a, ast.Name) and a.id in parser_names
+                         for a in list(call.args) + [k.value for k in call.keywords]):
+                    self.helper(parser, module, call, scope, parser_names, depth, stack)
+            finally:
+                self.scope, self.scope_module = saved
+
+    def helper(self, parser, module, call, scope, parser_names, depth, stack):
+        """A function add_cli_args hands the parser to (`_add_speculative_args(parser)`,
+        `cls._add_deprecated(parser, ...)`): its flags are read too."""
+        ref, offset = self._function(module, call.func)
+        if ref is None:
+            if _dotted(call.func) not in ("print", "len", "id", "isinstance", "getattr", "setattr", "hasattr"):
+                self.skipped.append("flags that %s(parser) registers at %s line %d"
+                                    % (_dotted(call.func) or "a call", module, call.lineno))
+            return
+        params = [a.arg for a in ref.node.args.args][offset:]
+        bound = {}
+        for i, arg in enumerate(call.args):
+            if i < len(params):
+                bound[params[i]] = self._arg_node(module, arg, scope, parser_names)
+        for kw in call.keywords:
+            if kw.arg:
+                bound[kw.arg] = self._arg_node(module, kw.value, scope, parser_names)
+        bound = dict((k, v) for k, v in bound.items() if v is not None)
+        self.run_function(parser, ref.module, ref.node, bound, set(), depth + 1, stack)
+
+    def _arg_node(self, module, node, scope, parser_names):
+        if isinstance(node, ast.Name) and node.id in parser_names:
+            return _PARSER
+        try:
+            return ast.Constant(self.src.value(module, node, scope))
+        except (_Unknown, RecursionError):
+            return None
+
+    def _function(self, module, func):
+        """(_FuncRef, parameters to skip) for a called name, or (None, 0)."""
+        def method(cls_ref, name):
+            for item in cls_ref.node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    static = any(_dotted(d) == "staticmethod" for d in item.decorator_list)
+                    first = item.args.args[0].arg if item.args.args else None
+                    return _FuncRef(cls_ref.module, item), (0 if static or first not in ("self", "cls") else 1)
+            return None, 0
+        try:
+            if isinstance(func, ast.Name):
+                bound = self.src.binding(module, func.id)
+                return (bound, 0) if isinstance(bound, _FuncRef) else (None, 0)
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                base = func.value.id
+                if base in ("self", "cls", "ServerArgs"):
+                    return method(self.server_args, func.attr)
+                target = self.src.binding(module, base)
+                if isinstance(target, _ClassRef) and not isinstance(target, _FuncRef):
+                    return method(target, func.attr)
+                if isinstance(target, tuple) and target[0] == "module":
+                    bound = self.src.binding(target[1], func.attr)
+                    return (bound, 0) if isinstance(bound, _FuncRef) else (None, 0)
+        except _Unknown:
+            pass
+        return None, 0
+
+    def from_dataclass(self, parser, module, call):
+        """add_cli_args_from_dataclass(parser, Cls, fields=[...]): ServerArgs means its own
+        fields plus the _INPUT_NAMESPACES classes (0.5.20+); another class, its fields."""
+        cls_node = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "cls"), None)
+        wanted = next((k.value for k in call.keywords if k.arg == "fields"), None)
+        wanted = self._val(module, wanted, None) if wanted is not None else None
+        if cls_node is None or _dotted(cls_node) in ("ServerArgs", "cls"):
+            classes = self.field_classes()
+        else:
+            ref = self.src.class_def(module, cls_node)
+            if ref is None:
+                self.skipped.append("the fields of %s at %s line %d" % (_dotted(cls_node), module, call.lineno))
+                return
+            classes = [(ref.module, ref.node)]
+        fields = {}
+        for mod, cls in classes:
+            self.dataclass_fields(mod, cls, fields)
+        saved = (self.scope, self.scope_module)
+        self.scope = self.scope_module = None
+        try:
+            for name, (mod, stmt) in fields.items():
+                if wanted is None or name in wanted:
+                    self.field(parser, mod, stmt)
+        finally:
+            self.scope, self.scope_module = saved
 
     def field_classes(self):
         """(module, ClassDef) of every class whose fields add_cli_args_from_dataclass registers."""
@@ -612,17 +887,9 @@ class _StaticBuilder(object):
                         add_cli = item
         if add_cli is None:
             raise RuntimeError("no ServerArgs.add_cli_args in %s" % _server_args_file(self.src.pkg_dir))
-        calls = [n for n in ast.walk(add_cli) if isinstance(n, ast.Call)]
-        calls.sort(key=lambda n: (n.lineno, n.col_offset))
-        for call in calls:
-            fname = _dotted(call.func)
-            if fname.endswith(".add_argument"):
-                self.explicit(parser, self.module, call)
-            elif fname.split(".")[-1] == "add_cli_args_from_dataclass":
-                for module, cls in self.field_classes():
-                    for stmt in cls.body:
-                        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                            self.field(parser, module, stmt)
+        self.server_args = _ClassRef(self.module, next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                                                       and n.name == "ServerArgs"))
+        self.run_function(parser, self.module, add_cli, {}, {"parser"}, 0, [])
         parser.servops_unchecked = sorted(set(self.unchecked))
         parser.servops_skipped = list(self.skipped)
         return parser
@@ -662,13 +929,17 @@ def _lookup(parser, name):
 def suggestions(parser, name, n=3):
     longs = sorted(o for o in parser._option_string_actions if o.startswith("--"))
     close = difflib.get_close_matches(name, longs, n=n, cutoff=0.6)
-    # spellings that extend the typed text rank first (an abbreviation that no longer resolves)
+    # the same words in another order rank first (a flag a release renamed by reordering it:
+    # --cuda-graph-backend-prefill -> --cuda-graph-prefill-backend), then spellings that extend
+    # the typed text (an abbreviation that no longer resolves), then difflib's closest
+    words = sorted(name.lstrip("-").split("-"))
+    reordered = [o for o in longs if o != name and sorted(o.lstrip("-").split("-")) == words]
     extending = [o for o in longs if o.startswith(name) and o != name]
     out = []
-    for o in extending + close:
+    for o in reordered + extending + close:
         if o not in out:
             out.append(o)
-    return out[:max(n, len(extending))]
+    return out[:max(n, len(reordered) + len(extending))]
 
 
 def _arity(action):
