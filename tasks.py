@@ -358,8 +358,12 @@ def check(c, variant, json=False, hosts=None, inventory=None):
     from servops.playbooks import load_variant
     from servops.releases import deploy_root
 
+    from servops.redact import remember, variant_secrets
+
     inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
+    for h in targets:  # its secrets (HF_TOKEN, --api-key) print as ***
+        remember(variant_secrets(v, h.get("secret_vars") or ()))
     per_host = lc.variants_per_host(v, targets)  # multi-node: each node's rank flags, as deploy sets them
 
     def op(hs):

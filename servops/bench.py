@@ -137,6 +137,8 @@ def _sharegpt_rows(text: str, path: str) -> list:
         data = json.loads(text)
     except ValueError as exc:
         raise BenchError(f"--dataset-path {path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise BenchError(f"--dataset-path {path}: not a ShareGPT file (JSON nested too deeply)") from None
     if not isinstance(data, list):
         raise BenchError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
     rows = []
@@ -156,7 +158,9 @@ def _prompt_rows(text: str, path: str) -> list:
         if line.startswith("{"):
             try:
                 obj = json.loads(line)
-            except ValueError:
+                if not isinstance(obj, dict):
+                    raise ValueError(line)
+            except (ValueError, RecursionError):
                 raise BenchError(f"--dataset-path {path}: a line starting with '{{' is not JSON: {line[:60]}") from None
             line = str(obj.get("prompt") or obj.get("text") or "")
         if line:
@@ -208,6 +212,7 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
         if p.get("progress") != "level":
             progress(p)
             return
+        hs.redactor.learn(p["record"].get("server_info"))  # its api_key, repeated in launch_command
         line = _redact(p["record"], hs.redactor)
         line["server_info"] = _mask_secret_keys(line.get("server_info"))
         line["servops"] = dict(_redact(meta, hs.redactor), **line["servops"])
@@ -261,7 +266,8 @@ def finish(result: dict, expected_levels: list[int] | None = None, repeat: int =
 
 
 def new_result_path(host: str, release: str | None) -> Path:
-    d = RESULTS_ROOT / host / (release or "unknown")
+    # `release` is what the host says is current: a directory name here only when it is a release name
+    d = RESULTS_ROOT / host / (release if releases.RELEASE_NAME_RE.fullmatch(release or "") else "unknown")
     d.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path, n = d / f"{stamp}.jsonl", 1
@@ -429,13 +435,15 @@ def aggregate(runs: list[dict]) -> list[dict]:
 def load_result(path: Path) -> dict | None:
     """A saved result: a .jsonl file (bench_serving lines with a servops block) or an old .json."""
     try:
-        text = path.read_text()
+        text = path.read_text(errors="replace")
     except OSError:
         return None
     if path.suffix == ".json":
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(data, dict):
             return None
         data.setdefault("runs", [])
         data["path"] = str(path)
@@ -446,8 +454,10 @@ def load_result(path: Path) -> dict | None:
             continue
         try:
             line = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash
+        if not isinstance(line, dict):
+            continue
         s = line.get("servops") or {}
         if meta is None:
             meta = {k: s.get(k) for k in ("host", "release", "variant", "patches", "servops_git", "created", "config")}
@@ -464,12 +474,15 @@ def load_result(path: Path) -> dict | None:
 def _variant_of(path: Path) -> str | None:
     """The variant a saved result belongs to, from its first line (no full parse)."""
     try:
-        with open(path) as fh:
+        with open(path, errors="replace") as fh:
             first = fh.readline() if path.suffix == ".jsonl" else fh.read()
         data = json.loads(first)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return (data.get("servops") or {}).get("variant") if path.suffix == ".jsonl" else data.get("variant")
+    if not isinstance(data, dict):
+        return None
+    servops = data.get("servops") if path.suffix == ".jsonl" else data
+    return servops.get("variant") if isinstance(servops, dict) else None
 
 
 def latest_for_variant(host: str, variant: str) -> dict | None:
@@ -507,11 +520,11 @@ class _progress:
         self._bar = None
         self._tasks: dict[tuple, int] = {}
         if is_tty():
-            from rich.console import Console
+            from .output import make_console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                                 TimeElapsedColumn(), console=make_console(stderr=True), transient=True)
             self._bar.start()
 
     def __call__(self, p: dict) -> None:

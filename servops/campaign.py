@@ -42,6 +42,9 @@ from .schema import ENV_NAME, FLAG, NAME, Field, load_mapping
 CAMPAIGN_ROOT = Path(os.environ.get("SERVOPS_CAMPAIGNS") or Path(__file__).resolve().parent.parent / "campaigns")
 
 
+MAX_TRIALS = 10_000  # budget.max_trials' ceiling too
+
+
 class CampaignError(ServopsError):
     pass
 
@@ -93,7 +96,7 @@ CAMPAIGN = {
     "objective": Field("record", fields={
         "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str"))}),
     "budget": Field("record", fields={
-        "max_trials": Field("int", 1, 10_000),
+        "max_trials": Field("int", 1, MAX_TRIALS),
         "max_wall_time": Field("any", check=parse_duration)}),
     "auto_patch": Field("bool"),
     "leave": Field("str", pattern=re.compile("best|base"), what="best or base"),
@@ -241,6 +244,11 @@ def expand(path: Path, name: str, data: dict) -> list[Trial]:
         for section, key, values in axes:
             if not values:
                 raise _fail(path, f"{where}.grid.{section}.{key}", "give at least one value")
+        points = 1
+        for _section, _key, values in axes:
+            points *= len(values)
+        if len(trials) + points > MAX_TRIALS:  # before expanding: a grid of 10^7 points is refused, not built
+            raise _fail(path, f"{where}.grid", f"expands to {points:,} trials; a campaign holds at most {MAX_TRIALS:,}")
         label0 = cand.get("name") or (cand.get("variant") if not axes else f"c{i + 1}")
         combos = itertools.product(*[values for _s, _k, values in axes]) if axes else [()]
         for combo in combos:
@@ -262,6 +270,29 @@ def expand(path: Path, name: str, data: dict) -> list[Trial]:
     return trials
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _dataset_path(path: Path, written: str) -> Path:
+    """A campaign's bench.dataset_path: its rows are shipped to the host as prompts, so a campaign
+    file may name only a dataset beside it (relative to its directory), in the repository, or in
+    a directory the operator lists in SERVOPS_DATASET_DIRS -- never ~/.ssh/id_ed25519 or
+    /proc/self/environ. No hidden file or directory on the way; symlinks are resolved first."""
+    p = Path(written).expanduser()
+    p = (p if p.is_absolute() else path.resolve().parent / p).resolve()
+    roots = [path.resolve().parent, REPO_ROOT] + [Path(d).expanduser().resolve()
+                                                 for d in os.environ.get("SERVOPS_DATASET_DIRS", "").split(":") if d]
+    for root in roots:
+        try:
+            rel = p.relative_to(root)
+        except ValueError:
+            continue
+        if not any(part.startswith(".") for part in rel.parts):
+            return p
+    raise _fail(path, "bench.dataset_path", f"{written!r} is outside the campaign's directory and the repository "
+                "(or under a hidden directory); put the dataset there, or list its directory in SERVOPS_DATASET_DIRS")
+
+
 def load_campaign(name_or_path: str) -> Campaign:
     path = Path(name_or_path)
     if not path.suffix:
@@ -276,6 +307,8 @@ def load_campaign(name_or_path: str) -> Campaign:
         if key not in data:
             raise _fail(path, key, "is required")
     bench = dict(data["bench"])
+    if bench.get("dataset_path"):
+        bench["dataset_path"] = str(_dataset_path(path, bench["dataset_path"]))
     if "levels" not in bench:
         raise _fail(path, "bench.levels", "is required, e.g. [1, 10, 256, 1024]")
     if bench.get("slo"):
@@ -292,7 +325,8 @@ def load_campaign(name_or_path: str) -> Campaign:
     try:
         trials = expand(path, name, data)
     except ServopsError as exc:
-        raise CampaignError(f"{path}: {exc}") from None
+        text = str(exc)
+        raise CampaignError(text if text.startswith(f"{path}: ") else f"{path}: {text}") from None
     budget = data.get("budget") or {}
     return Campaign(name=name, path=path, data=data, base=data["base"], trials=trials, bench=bench,
                     objective=objective, constraints=constraints, max_trials=budget.get("max_trials"),

@@ -12,7 +12,7 @@ from invoke.parser.context import ParserContext
 from . import interrupt
 from .errors import ServopsError
 from .inventory import Host, Inventory, load_inventory
-from .output import Recap, err_console
+from .output import Recap, err_console, safe_streams
 
 # Flags shared by every task, with the spellings Ansible users already know.
 SHORT_FLAGS = {
@@ -113,6 +113,10 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
 
         @functools.wraps(fn)
         def wrapper(c, *a, **kw):
+            with safe_streams():  # text from a host never drives the operator's terminal
+                return run(c, *a, **kw)
+
+        def run(c, *a, **kw):
             try:
                 for name, (kind, (low, high)) in numeric.items():
                     if name in kw:

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from .bench import RESULTS_ROOT, BenchError, latest_for_variant
+from .schema import NAME
 from .output import console, print_table, table
 
 # (summary key, label, higher is better, digits)
@@ -25,6 +26,8 @@ ROWS = (("output_tps", "output tok/s", True, 1), ("request_rate", "req/s", True,
 def load_pair(host: str, variants: list[str]) -> dict[str, dict]:
     out = {}
     for v in variants:
+        if not NAME.fullmatch(v):
+            raise BenchError(f"variant {v!r}: use letters, digits, '.', '_' or '-' (it names the plot's file)")
         res = latest_for_variant(host, v)
         if res is None:
             raise BenchError(f"no saved bench for variant {v!r} on {host} under {RESULTS_ROOT}/{host}/; run invoke bench first")

@@ -39,7 +39,7 @@ HIGHER_IS_BETTER = {"output_tps", "request_rate", "input_tps", "total_tps", "max
 
 _NUM = r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _COND = re.compile(
-    r"^\s*(?P<metric>[a-z_0-9]+)\s*(?:@\s*(?P<level>-?\d+)\s*)?(?P<op>>=|<=|>|<)\s*"
+    r"^\s*(?P<metric>[a-z_0-9]+)\s*(?:@\s*(?P<level>-?\d{1,9})\s*)?(?P<op>>=|<=|>|<)\s*"
     rf"(?:(?P<number>{_NUM})\s*$|(?:(?P<factor>{_NUM})\s*\*\s*)?(?P<ref>[A-Za-z][A-Za-z0-9._-]*)\s*$)")
 _SLO = re.compile(r"\bslo\s*\(([^)]*)\)")
 EXAMPLE = "e.g. --gate 'output_tps@1024 >= 1.02*baseline, p99_ttft_ms@256 <= 500'"
@@ -72,9 +72,14 @@ class Gate(list):
     slo: dict | None = None
 
 
+MAX_GATE_CHARS = 100_000  # a gate is a handful of terms (a campaign adds one per level)
+
+
 def parse_gate(text: str) -> Gate:
     if not text or not text.strip():
         raise GateError(f"--gate is empty; {EXAMPLE}")
+    if len(text) > MAX_GATE_CHARS:
+        raise GateError(f"--gate is {len(text):,} characters long; at most {MAX_GATE_CHARS:,}: {EXAMPLE}")
     conds = Gate()
     slo_terms = _SLO.findall(text)
     if len(slo_terms) > 1:
@@ -87,12 +92,13 @@ def parse_gate(text: str) -> Gate:
         if not conds.slo:
             raise GateError("--gate slo(): give at least one SLO, e.g. slo(ttft:500,tpot:50)")
         text = _SLO.sub("", text)
-    for part in re.split(r"\s*,\s*|\s+and\s+", text.strip()):
+    for part in re.split(r",|(?<=\s)and(?=\s)", text.strip()):  # linear: no backtracking over long blanks
         if not part.strip():
             continue
         m = _COND.match(part)
         if not m:
-            raise GateError(f"--gate {part!r}: expected METRIC@LEVEL OP VALUE; {EXAMPLE}")
+            shown = part.strip() if len(part.strip()) <= 120 else part.strip()[:120] + "..."
+            raise GateError(f"--gate {shown!r}: expected METRIC@LEVEL OP VALUE; {EXAMPLE}")
         written = m["metric"]
         metric = ALIASES.get(written, written)
         if metric not in METRICS:
@@ -107,6 +113,8 @@ def parse_gate(text: str) -> Gate:
             c = Condition(metric, level, m["op"], number=float(m["number"]), written=written)
         else:
             c = Condition(metric, level, m["op"], factor=float(m["factor"] or 1), ref=m["ref"], written=written)
+        if not (math.isfinite(c.factor) and (c.number is None or math.isfinite(c.number))):
+            raise GateError(f"--gate {part!r}: {m['number'] or m['factor']} is not a finite number")
         if metric == "error_rate" and (c.ref is not None or c.op not in ("<=", "<") or not 0 <= c.number <= 1):
             raise GateError(f"--gate {part!r}: allowed failures are error_rate <= FRACTION (0 to 1), e.g. error_rate <= 0.01")
         conds.append(c)

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from .errors import InventoryError
-from .schema import INVENTORY_VARS, NAME, SchemaError, coerce
+from .schema import INVENTORY_VARS, NAME, SchemaError, coerce, load_yaml, read_text
 
 DEFAULT_INVENTORY = "inventory/lab.yml"
 
@@ -138,12 +136,7 @@ def _check_name(kind: str, name: Any, where: str, path: str) -> str:
 
 
 def parse_inventory(text: str, path: str = "<inventory>") -> Inventory:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise InventoryError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    data = load_yaml(text, path, InventoryError)
     data = _mapping(data, "<top level>", path)
     if "all" not in data:
         raise InventoryError(f"{path}: top-level key 'all' is missing (Ansible YAML inventory format)")
@@ -201,4 +194,4 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     p = Path(path)
     if not p.is_file():
         raise InventoryError(f"{path}: inventory file not found; pass --inventory PATH or set SERVOPS_INVENTORY")
-    return parse_inventory(p.read_text(), path)
+    return parse_inventory(read_text(p, InventoryError), path)

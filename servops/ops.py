@@ -18,6 +18,7 @@ def _uptime(seconds: float) -> str:
 
 def status(hs: HostSession) -> tuple[str, str, dict]:
     res = releases.ctl(hs, "status")
+    hs.redactor.learn(res.get("server_info"))  # its api_key, repeated in launch_command
     rel = res["release"] or {}
     server = res["server"]
     row = {

@@ -2,9 +2,103 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
+
+# Characters a terminal acts on rather than shows: C0 controls (ESC starts cursor moves, screen
+# clears, title and clipboard writes, hidden text) except tab and newline, DEL, C1 controls (0x9b
+# is a one-byte CSI), and the bidirectional overrides that reorder what a line appears to say.
+_UNSAFE = re.compile("\r(?!\n)|[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _visible(match: re.Match) -> str:
+    ch = match.group()
+    return "\\r" if ch == "\r" else f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every control character shown as an escape (ESC -> \\x1b); newlines, tabs and
+    CRLF line ends kept. Whatever servops prints passes through this: text from a host (a
+    server's log, a traceback, a release's record) never drives the operator's terminal."""
+    if text.isprintable():
+        return text
+    return _UNSAFE.sub(_visible, text.replace("\r\n", "\n"))
+
+
+class SafeStream:
+    """sys.stdout / sys.stderr while a verb runs: every write goes through terminal_safe, every
+    secret servops knows of masked (servops.redact.mask_known).
+
+    rich consoles write to the stream behind it (`rich_proxied_file`), as SafeConsole, which
+    makes their text safe before adding its own colours."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.rich_proxied_file = raw
+
+    def write(self, text: str) -> int:
+        from .redact import mask_known
+
+        self.raw.write(terminal_safe(mask_known(text)))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+@contextlib.contextmanager
+def safe_streams():
+    """Install SafeStream on stdout and stderr for the duration (idempotent)."""
+    saved = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, SafeStream):
+        sys.stdout = SafeStream(sys.stdout)
+    if not isinstance(sys.stderr, SafeStream):
+        sys.stderr = SafeStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def make_console(**kwargs):
+    """A rich Console whose printed text (not its own styling or cursor control) goes through
+    terminal_safe, every known secret masked. Every console servops prints with comes from here."""
+    from rich.console import Console
+    from rich.segment import Segment
+
+    from .redact import mask_known
+
+    def safe(seg):
+        if seg.control:
+            return seg
+        text = terminal_safe(mask_known(seg.text))
+        return seg if text == seg.text else Segment(text, seg.style)
+
+    class SafeConsole(Console):
+        def _render_buffer(self, buffer):
+            return super()._render_buffer(safe(seg) for seg in buffer)
+
+        @property
+        def file(self):
+            # rich unwraps one proxy; a live display's FileProxy around our SafeStream is two:
+            # this console's own escape codes go to the real stream, never through SafeStream
+            f = Console.file.fget(self)
+            while isinstance(f, SafeStream) or isinstance(getattr(f, "rich_proxied_file", None), SafeStream):
+                f = f.raw if isinstance(f, SafeStream) else f.rich_proxied_file
+            return f
+
+        @file.setter
+        def file(self, value):
+            Console.file.fset(self, value)
+
+    return SafeConsole(**kwargs)
 
 
 class _LazyConsole:
@@ -16,9 +110,7 @@ class _LazyConsole:
 
     def __getattr__(self, name):
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(highlight=False, soft_wrap=True, **self._kwargs)
+            self._console = make_console(highlight=False, soft_wrap=True, **self._kwargs)
         return getattr(self._console, name)
 
 

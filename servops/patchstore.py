@@ -19,7 +19,7 @@ from unidiff import PatchSet
 from unidiff.errors import UnidiffParseError
 
 from .errors import ServopsError
-from .schema import PATCH_META, load_mapping
+from .schema import PATCH_META, load_mapping, read_text
 
 # Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
 PATCH_ROOT = Path(os.environ.get("SERVOPS_PATCHES") or Path(__file__).resolve().parent.parent / "patches")
@@ -103,7 +103,7 @@ def load_patch(path: Path) -> Patch:
     if spec_name and _norm(spec_name) != _norm(dist):
         raise PatchError(f"{meta_path}: 'applies_to' names {spec_name} but the patch is for {dist}")
     strip = int(meta.get("strip", 1))
-    text = path.read_text()
+    text = read_text(path, PatchError, limit=16 << 20)
     diff_files = patch_files(text, strip, str(path))
     if sorted(meta["files"]) != sorted(diff_files):
         raise PatchError(f"{meta_path}: 'files' {meta['files']} does not match the files in the diff {diff_files}")
@@ -148,6 +148,10 @@ def find_patch(name: str, root: Path = PATCH_ROOT) -> Patch:
 def write_patch(root: Path, dist: str, name: str, text: str, files: list[str], version: str, why: str = "") -> Path:
     if not NAME_RE.fullmatch(name or ""):
         raise PatchError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
+    # dist and version come from the host: they name a directory here and go into the metadata
+    if not NAME_RE.fullmatch(dist or "") or not re.fullmatch(r"[A-Za-z0-9.+!_-]+", version or ""):
+        raise PatchError(f"the host named distribution {dist!r} version {version!r}: not a distribution "
+                         "name and version; nothing written")
     patch_files(text, 1, f"generated patch {name}")
     d = root / dist
     d.mkdir(parents=True, exist_ok=True)

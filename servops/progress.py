@@ -68,12 +68,12 @@ class Wait:
         if is_tty():
             with _live_lock:
                 if _live is None:
-                    from rich.console import Console
+                    from .output import make_console
                     from rich.progress import BarColumn, Progress, TextColumn
 
                     _live = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24),
-                                     TextColumn("{task.fields[clock]}"), TextColumn("{task.fields[log]}", style="dim"),
-                                     console=Console(stderr=True), transient=True)
+                                     TextColumn("{task.fields[clock]}"), TextColumn("{task.fields[log]}", style="dim", markup=False),
+                                     console=make_console(stderr=True), transient=True)
                 if not _live.live.is_started:
                     _live.start()
                 self.task = _live.add_task(f"{self.phases.host}: {self.label}", total=self.timeout,

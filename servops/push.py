@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from urllib.parse import urlsplit
 
@@ -14,6 +15,19 @@ BENCH_GAUGES = ("output_tps", "request_rate", "ttft_p50", "ttft_p99", "tpot_p50"
                 "e2e_p50", "e2e_p99", "error_rate", "goodput", "achieved_concurrency", "max_output_tokens_per_s")
 
 
+def shown(url: str) -> str:
+    """The URL for messages: a password in it (http://user:PASSWORD@host) masked."""
+    text = str(url or "")
+    try:
+        parts = urlsplit(text)
+        if parts.password:
+            host = parts.netloc.rpartition("@")[2]
+            return parts._replace(netloc=f"{parts.username}:***@{host}").geturl()
+    except ValueError:
+        pass
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", text)
+
+
 def validate_url(url: str) -> str:
     """The Pushgateway URL, checked before anything runs: http(s)://HOST[:PORT][/path]."""
     text = (url or "").strip()
@@ -24,7 +38,7 @@ def validate_url(url: str) -> str:
         parts, port = None, None
     if (not parts or parts.scheme not in ("http", "https") or not parts.hostname or any(ch.isspace() for ch in text)
             or parts.query or parts.fragment):
-        raise ServopsError(f"--push {url!r}: expected a Pushgateway URL like http://pushgateway:9091")
+        raise ServopsError(f"--push {shown(url)!r}: expected a Pushgateway URL like http://pushgateway:9091")
     del port
     return text.rstrip("/")
 
@@ -33,7 +47,7 @@ def _push(url: str, job: str, registry: CollectorRegistry, grouping: dict) -> No
     try:
         push_to_gateway(url, job=job, registry=registry, grouping_key=grouping, timeout=10)
     except OSError as exc:
-        raise ServopsError(f"push to Pushgateway {url} failed: {exc}") from None
+        raise ServopsError(f"push to Pushgateway {shown(url)} failed: {str(exc).replace(url, shown(url))}") from None
 
 
 def push_bench(url: str, result: dict) -> None:

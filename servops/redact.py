@@ -10,6 +10,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 MASK = "***"
+_FLAG_VALUE = re.compile(r"--([A-Za-z0-9][A-Za-z0-9_-]*)(?:=|\s+)(?!-)(\S+)")
+_NUMBER = re.compile(r"\s*[-+]?[0-9.]+([eE][-+]?[0-9]+)?\s*")
 # By the name's words: HF_TOKEN, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, OPENAI_API_KEY, DB_PASSWORD,
 # AUTH_TOKEN are secrets; TOKENIZERS_PARALLELISM, MAX_TOKENS or SGLANG_DOUBLE_TOKEN_DELAY are not
 # (masking "false" everywhere would mangle every log). Others: the inventory's `secret_vars`.
@@ -47,10 +49,49 @@ def secret_values(mapping: Mapping[str, Any], extra_names: Iterable[str] = ()) -
     return found
 
 
+# Every secret any Redactor of this process has seen: whatever servops prints is masked of all of
+# them (servops.output), so a verb that forgot to redact (a launch check's argv, a library's
+# error text) still prints *** -- files written are redacted by their writers.
+_KNOWN: set[str] = set()
+_KNOWN_SORTED: list[str] = []
+
+
+def remember(values: Iterable[str]) -> None:
+    global _KNOWN_SORTED
+    new = {str(v) for v in values if v and len(str(v)) >= 4} - _KNOWN
+    if new:
+        _KNOWN.update(new)
+        _KNOWN_SORTED = sorted(_KNOWN, key=len, reverse=True)
+
+
+def mask_known(text: str) -> str:
+    for s in _KNOWN_SORTED:
+        if s in text:
+            text = text.replace(s, MASK)
+    return text
+
+
 class Redactor:
     def __init__(self, secrets: Iterable[str] = ()):
         # Longest first, so a secret containing another is masked whole.
         self.secrets = sorted(set(secrets), key=len, reverse=True)
+        remember(self.secrets)
+
+    def learn(self, obj: Any) -> None:
+        """Add the values of secret-named keys in what a server reports about itself (sglang's
+        /server_info holds api_key, and launch_command holds it again)."""
+        if isinstance(obj, Mapping):
+            # strings only: a number under a token-ish name (max_..._per_token: 1024) is no secret
+            self.add(secret_values({k: v for k, v in obj.items() if isinstance(v, str) and not _NUMBER.fullmatch(v)}))
+            for v in obj.values():
+                if isinstance(v, (Mapping, list)):
+                    self.learn(v)
+                elif isinstance(v, str):  # a command line: `--api-key VALUE` / `--api-key=VALUE`
+                    self.add(m[2].strip("'\"") for m in _FLAG_VALUE.finditer(v)
+                             if is_secret_name(m[1]) and not _NUMBER.fullmatch(m[2]))
+        elif isinstance(obj, list):
+            for v in obj:
+                self.learn(v)
 
     @classmethod
     def for_host(cls, host) -> "Redactor":
@@ -58,6 +99,7 @@ class Redactor:
 
     def add(self, values: Iterable[str]) -> None:
         self.secrets = sorted(set(self.secrets) | {v for v in values if v and len(v) >= 4}, key=len, reverse=True)
+        remember(self.secrets)
 
     def __call__(self, text: str) -> str:
         for s in self.secrets:

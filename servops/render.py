@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jinja2
+import jinja2.nodes
+import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import ServopsError
@@ -46,8 +48,107 @@ def _comment(value: Any) -> str:
     return re.sub(r"[\x00-\x1f\x7f]", "?", str(value))
 
 
+MAX_RENDERED = 1 << 20     # characters one value or one script may render to
+MAX_STEPS = 2_000_000      # Python line events one render may take (loops over loops)
+_BIG_WIDTH = re.compile(r"%[-#0 +]*(\*|\d{5,})|\{[^{}]*:[^{}]*\d{5,}[^{}]*\}|\.\d{5,}")
+
+
+class _Budget(BaseException):  # not an Exception: no `except Exception` in jinja swallows it
+    pass
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with the resource attacks it leaves open closed: `'x' * 10**9`, `9**9**9`,
+    a `%99999999s` width, and loops nested until the heat death of the universe (a step budget,
+    counted by a trace function while a template runs)."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 and not -1 <= left <= 1:
+            raise SecurityError(f"{left!r} ** {right!r} is too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDERED:
+                    raise SecurityError(f"a sequence of {len(seq) * n:,} items is too large")
+            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 4096:
+                raise SecurityError("the product is too large")
+        if operator == "%" and isinstance(left, str) and _BIG_WIDTH.search(left):
+            raise SecurityError(f"format width in {left[:40]!r} is too large")
+        return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None and _BIG_WIDTH.search(value.__self__):
+            raise SecurityError(f"format width in {value.__self__[:40]!r} is too large")
+        return wrapped
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        if isinstance(getattr(__obj, "__self__", None), (str, bytes, list, tuple)):  # 'x'.ljust(10**9)
+            _check_sizes(getattr(__obj, "__name__", "call"), args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_sizes(what: str, args, kwargs) -> None:
+    """`'x'.ljust(10**9)`, `'x'|center(10**9)`: no call gets a size beyond what a value may hold."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_RENDERED:
+            raise SecurityError(f"{what}() with {a:,} is too large")
+        if isinstance(a, str) and what in ("format", "do_format") and _BIG_WIDTH.search(a):
+            raise SecurityError(f"format width in {a[:40]!r} is too large")
+
+
+def _bounded_filter(name: str, func):
+    import functools
+
+    @functools.wraps(func)  # keeps jinja's pass_context / pass_environment marks
+    def bounded(*args, **kwargs):
+        i = 0
+        while i < len(args) and isinstance(args[i], (jinja2.Environment, jinja2.runtime.Context,
+                                                       jinja2.nodes.EvalContext)):
+            i += 1
+        # the filtered value itself may be any size (`{{ 4000000|string }}`); its arguments may
+        # not (`center(10**9)`), and a format string is checked for its widths
+        if name == "format" and i < len(args):
+            _check_sizes(name, (args[i],), {})
+        _check_sizes(name, args[i + 1:], kwargs)
+        return func(*args, **kwargs)
+
+    return bounded
+
+
+def _run_bounded(render, where: str) -> str:
+    """`render()` under the step budget, its result at most MAX_RENDERED characters; any failure
+    of the template's own code (1/0, int('x')) is one RenderError naming `where`."""
+    import sys
+
+    steps = [0]
+
+    def tracer(frame, event, arg):
+        steps[0] += 1
+        if steps[0] > MAX_STEPS:
+            raise _Budget()
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        out = render()
+    except _Budget:
+        raise RenderError(f"{where}: template code runs too long (over {MAX_STEPS:,} steps)") from None
+    except (SecurityError, jinja2.TemplateError, RenderError):
+        raise
+    except (ArithmeticError, ValueError, TypeError, LookupError, AttributeError, MemoryError, RecursionError) as exc:
+        raise RenderError(f"{where}: template code failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.settrace(previous)
+    if isinstance(out, str) and len(out) > MAX_RENDERED:
+        raise RenderError(f"{where}: renders to {len(out):,} characters; at most {MAX_RENDERED:,}")
+    return out
+
+
 def _environment(root: Path) -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+    env = _BoundedSandbox(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
                                         keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
                                         autoescape=False)
     env.filters["shquote"] = lambda v: shlex.quote(str(v))
@@ -55,6 +156,8 @@ def _environment(root: Path) -> jinja2.Environment:
     env.filters["remote_path"] = remote_path
     env.filters["envname"] = _envname
     env.filters["comment"] = _comment
+    for name, func in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, func)
     return env
 
 
@@ -64,7 +167,7 @@ def _render_value(env: jinja2.Environment, value: Any, context: Mapping, where: 
     if not isinstance(value, str) or ("{" not in value and "%" not in value):
         return value
     try:
-        return env.from_string(value).render(context)
+        return _run_bounded(lambda: env.from_string(value).render(context), where)
     except SecurityError as exc:
         raise RenderError(f"{where}: template code is not allowed here ({exc})") from None
     except jinja2.UndefinedError as exc:
@@ -156,13 +259,14 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     except jinja2.TemplateSyntaxError as exc:
         raise RenderError(f"templates/{variant['template']}:{exc.lineno}: {exc.message}") from None
     try:
-        script = template.render(context)
+        script = _run_bounded(lambda: template.render(context), f"templates/{variant['template']}")
     except SecurityError as exc:
         raise RenderError(f"templates/{variant['template']}: template code is not allowed ({exc})") from None
     except jinja2.UndefinedError as exc:
         raise RenderError(f"templates/{variant['template']}: {exc.message}; set it in the inventory or variant") from None
     except RenderError as exc:
-        raise RenderError(f"templates/{variant['template']}: {exc}") from None
+        text = str(exc)
+        raise RenderError(text if text.startswith("templates/") else f"templates/{variant['template']}: {text}") from None
     for value in secret_env.values():
         if len(value) >= 4 and value in script:
             raise RenderError(f"templates/{variant['template']}: a secret value would be written into the "

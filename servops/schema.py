@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import yaml  # a hard dependency: a broken install fails at import, in tasks.py's one line
+
 from .errors import ServopsError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")          # hosts, groups, variants, patches
@@ -209,19 +211,73 @@ VARIANT = {
 }
 
 
+MAX_YAML_BYTES = 4 << 20      # an inventory, variant, campaign or patch metadata file
+MAX_YAML_NODES = 200_000      # values after aliases are expanded (a "billion laughs" file)
+
+
+def read_text(path, error: type[ServopsError], limit: int = MAX_YAML_BYTES) -> str:
+    """A user's text file, as UTF-8, at most `limit` bytes; else one line naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise error(f"{path}: larger than {limit >> 20} MiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}, line {line})") from None
+
+
+def _expanded_size(obj: Any, memo: dict, path: set) -> int:
+    """How many values `obj` holds with every alias expanded (shared objects counted each time)."""
+    if not isinstance(obj, (dict, list)):
+        return 1
+    key = id(obj)
+    if key in path:
+        raise ValueError("refers to itself (a recursive alias)")
+    if key in memo:
+        return memo[key]
+    path.add(key)
+    items = [x for kv in obj.items() for x in kv] if isinstance(obj, dict) else obj
+    total = 1
+    for item in items:
+        total += _expanded_size(item, memo, path)
+        if total > MAX_YAML_NODES:
+            break
+    path.discard(key)
+    memo[key] = total
+    return total
+
+
+def load_yaml(text: str, where, error: type[ServopsError]) -> Any:
+    """safe_load, with the problems a hostile file can pose as one line each: invalid YAML,
+    nesting too deep, aliases that expand to millions of values, a recursive alias."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise error(f"{where}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}: "
+                    f"{getattr(exc, 'problem', None) or exc}") from None
+    except RecursionError:
+        raise error(f"{where}: invalid YAML: nested too deeply") from None
+    try:
+        size = _expanded_size(data, {}, set())
+    except RecursionError:
+        raise error(f"{where}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:
+        raise error(f"{where}: invalid YAML: an alias {exc}") from None
+    if size > MAX_YAML_NODES:
+        raise error(f"{where}: its aliases expand to more than {MAX_YAML_NODES:,} values; write the values out")
+    return data
+
+
 def load_mapping(path, fields: dict[str, Field], error: type[ServopsError]) -> dict:
     """A YAML file of `fields`: read, parsed and checked, every problem one line (of class
     `error`) naming the file and the key or line."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise error(f"{path}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}: "
-                    f"{getattr(exc, 'problem', None) or exc}") from None
-    except OSError as exc:
-        raise error(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    data = load_yaml(read_text(path, error), path, error) or {}
     if not isinstance(data, dict):
         raise error(f"{path}: must be a mapping")
     try:

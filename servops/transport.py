@@ -7,6 +7,7 @@ equivalent of OpenSSH's StrictHostKeyChecking=accept-new). A changed key is alwa
 
 from __future__ import annotations
 
+import codecs
 import os
 import select
 import socket
@@ -33,6 +34,7 @@ class _RefuseUnknownKey(paramiko.MissingHostKeyPolicy):
         self.known_hosts = known_hosts
 
     def missing_host_key(self, client, hostname, key):
+        _refuse_revoked(client, self.host_label, hostname, key, self.known_hosts)
         raise HostKeyError(
             f"{self.host_label}: host key for {hostname} ({key.get_name()}) is not in {self.known_hosts}; "
             f"verify it and add it (ssh-keyscan), or set accept_new_host_keys: true for this host"
@@ -44,10 +46,12 @@ class _AcceptNewKey(paramiko.MissingHostKeyPolicy):
 
     _lock = threading.Lock()
 
-    def __init__(self, known_hosts: str):
+    def __init__(self, known_hosts: str, host_label: str = ""):
         self.known_hosts = known_hosts
+        self.host_label = host_label
 
     def missing_host_key(self, client, hostname, key):
+        _refuse_revoked(client, self.host_label, hostname, key, self.known_hosts)  # never trust it anew
         with self._lock:
             os.makedirs(os.path.dirname(self.known_hosts) or ".", exist_ok=True)
             line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
@@ -92,19 +96,37 @@ def lab_hint(host: Host) -> str:
     return ""
 
 
+def _refuse_revoked(client, label: str, hostname: str, key, known_hosts: str) -> None:
+    if (key.get_name(), key.get_base64()) in getattr(client, "_servops_revoked", set()):
+        raise HostKeyError(f"{label}: host key for {hostname} ({key.get_name()}) is marked @revoked in "
+                           f"{known_hosts}; refusing to connect")
+
+
 def load_known_hosts(client: paramiko.SSHClient, path: str) -> None:
     """Like OpenSSH: a malformed line is skipped with a warning naming the file and line, and
-    every other host's key still counts (paramiko would refuse the whole file)."""
+    every other host's key still counts (paramiko would refuse the whole file). A `@revoked`
+    key is refused for every host, even where another line lists it; `@cert-authority` lines
+    (host certificates) are not supported and are skipped."""
     from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
     from .output import err_console
 
     keys = client.get_host_keys()
+    revoked = client.__dict__.setdefault("_servops_revoked", set())
+    entries = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
+            marker = None
+            if line.startswith("@"):
+                marker, _, line = line.partition(" ")
+                line = line.strip()
+                if marker == "@cert-authority":
+                    continue
+                if marker != "@revoked":
+                    line = ""  # an unknown marker: malformed
             try:
                 entry = HostKeyEntry.from_line(line, lineno)
             except (InvalidHostKey, ValueError, TypeError, paramiko.SSHException) as exc:
@@ -117,8 +139,15 @@ def load_known_hosts(client: paramiko.SSHClient, path: str) -> None:
                     err_console.print(f"warning: {path}:{lineno}: malformed known_hosts line skipped ({reason})",
                                       markup=False)
                 continue
-            for name in entry.hostnames:
-                keys.add(name, entry.key.get_name(), entry.key)
+            if marker == "@revoked":
+                revoked.add((entry.key.get_name(), entry.key.get_base64()))
+                continue
+            entries.append(entry)
+    for entry in entries:
+        if (entry.key.get_name(), entry.key.get_base64()) in revoked:
+            continue  # listed and revoked: unknown, and the missing-key policy refuses it as revoked
+        for name in entry.hostnames:
+            keys.add(name, entry.key.get_name(), entry.key)
 
 
 def _secure(conn: Connection, host: Host) -> Connection:
@@ -132,7 +161,7 @@ def _secure(conn: Connection, host: Host) -> Connection:
             f"(ssh-keyscan -p {host.ssh_port} {host.ssh_host}) or set accept_new_host_keys: true{lab_hint(host)}"
         )
     if host.accept_new_host_keys:
-        client.set_missing_host_key_policy(_AcceptNewKey(known))
+        client.set_missing_host_key_policy(_AcceptNewKey(known, host.name))
     else:
         client.set_missing_host_key_policy(_RefuseUnknownKey(host.name, known))
     return conn
@@ -170,6 +199,17 @@ class CommandTimeout(Exception):
     pass
 
 
+class OutputTooLarge(Exception):
+    pass
+
+
+# What one command may return (stdout, stderr each). A streamed command (`logs -f`, a bench's
+# progress) is consumed as it arrives: only its last KEEP_STREAMED bytes are kept, so following
+# a chatty server for days costs no memory; a host that floods any other command is refused.
+MAX_OUTPUT = 512 << 20
+KEEP_STREAMED = 16 << 20
+
+
 def _exec(transport: paramiko.Transport, command: str, stdin: str | bytes | None, timeout: float,
           on_output: Callable[[str], None] | None) -> tuple[int, str, str]:
     data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -178,6 +218,7 @@ def _exec(transport: paramiko.Transport, command: str, stdin: str | bytes | None
         chan.exec_command(command)
         deadline = time.monotonic() + timeout
         out, err = bytearray(), bytearray()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split across chunks
         pos = 0
         if not data:
             chan.shutdown_write()
@@ -192,10 +233,16 @@ def _exec(transport: paramiko.Transport, command: str, stdin: str | bytes | None
                 chunk = chan.recv(65536)
                 out += chunk
                 if on_output:
-                    on_output(chunk.decode(errors="replace"))
+                    on_output(decoder.decode(chunk))
+                    if len(out) > 2 * KEEP_STREAMED:
+                        del out[:-KEEP_STREAMED]
+                elif len(out) > MAX_OUTPUT:
+                    raise OutputTooLarge("stdout")
                 busy = True
             while chan.recv_stderr_ready():
                 err += chan.recv_stderr(65536)
+                if len(err) > MAX_OUTPUT:
+                    del err[:-KEEP_STREAMED]  # stderr is only ever read for its last lines
                 busy = True
             if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
@@ -279,6 +326,9 @@ class HostSession:
         self.round_trips += 1
         try:
             exited, out, err = _exec(conn.transport, command, stdin, timeout, on_output)
+        except OutputTooLarge:
+            raise TransportError(f"{self.host.name}: the remote command sent more than {MAX_OUTPUT >> 20} MiB of "
+                                 f"output; refusing the rest: {self.redactor(command)[:200]}") from None
         except CommandTimeout:
             raise TransportError(
                 f"{self.host.name}: remote command timed out after {timeout}s: {self.redactor(command)[:200]}"

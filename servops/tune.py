@@ -24,6 +24,7 @@ from .deploy import deploy_group, preflight
 from .errors import ServopsError
 from .output import console
 from .provenance import git_sha, operator
+from .redact import variant_secrets
 from .render import render_launch
 from .transport import HostSession
 
@@ -43,11 +44,13 @@ def log_path(host: str, name: str) -> Path:
 def read_log(path: Path) -> list[dict]:
     entries = []
     if path.exists():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                entries.append(json.loads(line))
-            except ValueError:
+                entry = json.loads(line)
+            except (ValueError, RecursionError):
                 continue  # a line cut by a kill mid-write
+            if isinstance(entry, dict):  # a hand-edited or damaged line is skipped, not a traceback
+                entries.append(entry)
     return entries
 
 
@@ -90,7 +93,8 @@ class Journal:
                       "trial": entry.get("trial"), "release": entry.get("release"), "outcome": entry.get("outcome"),
                       "detail": entry.get("label") or entry.get("reason")}
         try:
-            releases.ctl(self.hs, "journal", entry={k: v for k, v in host_entry.items() if v is not None})
+            releases.ctl(self.hs, "journal", entry={k: self.hs.redactor(v) if isinstance(v, str) else v
+                                                    for k, v in host_entry.items() if v is not None})
         except ServopsError:
             pass  # the local log is the source of truth for --resume; the host's is the audit
         return entry
@@ -194,6 +198,10 @@ class Runner:
         self.clock = Clock(prior)
         self.kwargs = bench_kwargs(camp)
         self.trials: list[Trial] = list(camp.trials)
+        # Every trial's secrets (a candidate's HF_TOKEN, --api-key) are masked from the first
+        # journal entry on: the trials.jsonl, the host's journal and the report never hold them.
+        for t in self.trials:
+            hs.redactor.add(variant_secrets(t.variant, hs.host.get("secret_vars") or ()))
         self.identities: dict[str, str] = {}
         self.scripts: dict[str, str] = {}
 
@@ -210,6 +218,7 @@ class Runner:
             _resolved, launch, _check = preflight(self.hs, t.variant)
         except ServopsError as exc:
             raise TuneError(f"{self.camp.path}: trial {t.id} ({t.label}): {exc}") from None
+        self.hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
         self.identities[t.id] = t.identity(self.hs.host, render_launch)
         self.scripts[t.id] = launch.script
 

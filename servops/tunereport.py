@@ -14,10 +14,12 @@ import difflib
 import html
 import io
 import json
+import re
 from pathlib import Path
 
 from . import bench
 from .campaign import Campaign
+from .redact import MASK, is_secret_name
 from .tune import log_path, read_log, trial_states
 
 METRIC_COLUMNS = (("output_tps", "output tok/s"), ("ttft_p99", "TTFT p99 ms"), ("tpot_p50", "TPOT p50 ms"),
@@ -40,6 +42,7 @@ def _flags_diff(base: dict, spec: dict) -> str:
     for k in sorted(set(b_args) | set(t_args)):
         if b_args.get(k) != t_args.get(k):
             v = t_args.get(k)
+            v = MASK if is_secret_name(k) and v not in (None, False, True) else v
             out.append(f"--{k}" + ("" if v is True else " (removed)" if v in (None, False) else f" {v}"))
     try:
         b_env, t_env = json.loads(base.get("env") or "{}"), json.loads(spec.get("env") or "{}")
@@ -47,7 +50,7 @@ def _flags_diff(base: dict, spec: dict) -> str:
         b_env, t_env = {}, {}
     for k in sorted(set(b_env) | set(t_env)):
         if b_env.get(k) != t_env.get(k):
-            out.append(f"{k}={t_env.get(k, '(unset)')}")
+            out.append(f"{k}={MASK if is_secret_name(k) and k in t_env else t_env.get(k, '(unset)')}")
     return ", ".join(out) or "(same as base)"
 
 
@@ -185,33 +188,48 @@ def _objective_text(row: dict, camp: Campaign) -> str:
     return text + (f" ± {fmt(ci)}" if ci else "")
 
 
+def _md(value) -> str:
+    """Text for a Markdown line or table cell: no raw HTML (a server's error text could carry
+    `<img onerror=...>` into a viewer that renders it), no line break, no cell break."""
+    text = " ".join(str(value).split())
+    return re.sub(r"<(?=[A-Za-z/!?])", "&lt;", text).replace("|", "\\|")  # `<= 300` stays readable
+
+
+def _code(value) -> str:
+    """Text for a `code span`: no backtick can end it, no line break."""
+    return " ".join(str(value).replace("`", "'").split())
+
+
 def markdown(data: dict) -> str:
     camp = data["campaign"]
     lines = [f"# Tuning campaign `{camp.name}` on {data['host']}", ""]
     if camp.data.get("description"):
-        lines += [str(camp.data["description"]), ""]
+        lines += [_md(camp.data["description"]), ""]
     lines += [f"- objective: {camp.objective.sense} `{camp.objective.written}`",
               f"- constraints: " + (", ".join(f"`{c}`" for c in camp.constraints if not c.implicit) or "none"),
               f"- trials: {len(data['rows'])} (log: `{data['log']}`)"]
     w = data["winner"]
-    lines += [f"- **winner: {w['trial']}** ({w['label']}): {camp.objective.written} = {_objective_text(w, camp)}"
+    lines += [f"- **winner: {_md(w['trial'])}** ({_md(w['label'])}): {camp.objective.written} = {_objective_text(w, camp)}"
               if w else "- no trial met every constraint", ""]
     head = ["trial", "flags vs base", "patches", "outcome", camp.objective.written] + [t for _k, t in METRIC_COLUMNS]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         cells = [r["trial"], r["flags"], r["patches"], _outcome(r), _objective_text(r, camp)] + \
                 [fmt(r.get(k)) for k, _t in METRIC_COLUMNS]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
     lines += ["", f"Metrics at level {camp.objective.level}; ± is the 95% interval of repeated runs.", ""]
     crashes = [r for r in data["rows"] if r.get("findings") or r["outcome"] in ("crashed", "failed", "timeout")]
     if crashes:
         lines += ["## Crashes and their diagnosis", ""]
         for r in crashes:
-            lines.append(f"- **{r['trial']}** ({r.get('release') or 'no release'}): {r.get('reason') or r['outcome']}")
+            lines.append(f"- **{_md(r['trial'])}** ({_md(r.get('release') or 'no release')}): "
+                         f"{_md(r.get('reason') or r['outcome'])}")
             for f in r.get("findings") or []:
-                known = f"known issue `{f['entry']}` ({f['category']}): {f['title']}" if f.get("entry") else "no known issue matched"
-                lines.append(f"  - {known}; root: `{f.get('root_exception') or '-'}`"
-                             + (f"; next step: patch `{f['suggest']['patch']}`" if (f.get("suggest") or {}).get("patch") else ""))
+                known = (f"known issue `{_code(f['entry'])}` ({_md(f['category'])}): {_md(f['title'])}"
+                         if f.get("entry") else "no known issue matched")
+                lines.append(f"  - {known}; root: `{_code(f.get('root_exception') or '-')}`"
+                             + (f"; next step: patch `{_code(f['suggest']['patch'])}`"
+                                if (f.get("suggest") or {}).get("patch") else ""))
         lines.append("")
     if data["drift"]:
         d = data["drift"]
@@ -294,14 +312,31 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
     return "\n".join(out)
 
 
+def _write_new(path: Path, data: bytes) -> None:
+    """Write a fresh file and rename it into place: a symlink planted at `path` is replaced,
+    never followed, and a reader never sees half a report."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_report(host: str, camp: Campaign) -> tuple[Path, Path]:
     data = collect(host, camp)
     pngs = plots(data)
     d = data["log"].parent
     for name, png in pngs.items():
-        (d / f"{name}.png").write_bytes(png)
+        _write_new(d / f"{name}.png", png)
     md = d / "report.md"
-    md.write_text(markdown(data))
+    _write_new(md, markdown(data).encode())
     page = d / "report.html"
-    page.write_text(html_page(data, pngs))
+    _write_new(page, html_page(data, pngs).encode())
     return md, page

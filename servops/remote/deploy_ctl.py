@@ -528,10 +528,35 @@ def op_logs():
     if not os.path.exists(path):
         fail("release %s has no server.log" % name)
     mask = masker(name)
-    with open(path, "rb") as fh:
-        data = fh.read().decode("utf-8", "replace").splitlines()
     n = int(ARGS.get("lines", 100))
-    return {"name": name, "path": path, "lines": [mask(l) for l in (data[-n:] if n else [])]}
+    return {"name": name, "path": path, "lines": [mask(l) for l in tail_lines(path, n)]}
+
+
+LOG_TAIL_BYTES = 32 << 20   # what `logs` reads from the end of a server.log, at most
+LOG_LINE_CHARS = 16 << 10   # one line as shown, at most
+
+
+def tail_lines(path, n, max_bytes=LOG_TAIL_BYTES, max_line=LOG_LINE_CHARS):
+    """The last `n` lines of a log of any size (weeks of a server, or one a hostile process
+    flooded), read backwards in blocks: at most `max_bytes` read, each line cut at `max_line`."""
+    if n <= 0:
+        return []
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        end = pos = fh.tell()
+        chunks, newlines = [], 0
+        while pos > 0 and newlines <= n and end - pos < max_bytes:
+            step = min(1 << 20, pos, max_bytes - (end - pos))
+            pos -= step
+            fh.seek(pos)
+            chunk = fh.read(step)
+            chunks.append(chunk)
+            newlines += chunk.count(b"\n")
+    lines = b"".join(reversed(chunks)).decode("utf-8", "replace").splitlines()
+    if pos > 0 and lines:
+        lines = lines[1:]  # the first line read is cut at its start
+    return [l if len(l) <= max_line else l[:max_line] + " ... [%d more characters]" % (len(l) - max_line)
+            for l in lines[-n:]]
 
 
 def op_follow():
