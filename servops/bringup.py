@@ -100,10 +100,13 @@ def health_gate(node: Node, phases: Phases, label: str) -> dict:
     timeout = health_timeout(node.hs, health)
     phases.step("health", f"waiting up to {timeout:g}s for {health.get('endpoint', '/health')}")
     with phases.wait(label, timeout) as wait:
-        return releases.ctl(node.hs, "health", ssh_timeout=int(timeout) + 120,
-                            on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
-                            name=node.name, port=int(node.meta["port"]), health=health, timeout=timeout,
-                            signatures=signatures(node.meta))
+        outcome = releases.ctl(node.hs, "health", ssh_timeout=int(timeout) + 120,
+                               on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
+                               name=node.name, port=int(node.meta["port"]), health=health, timeout=timeout,
+                               signatures=signatures(node.meta))
+    for pattern in outcome.get("slow_signatures") or []:
+        phases.step("warning", f"crash signature {pattern!r} took over 2 s on the log and was dropped; simplify it")
+    return outcome
 
 
 def bring_up(nodes: list[Node], phases: Phases, label: str) -> dict:

@@ -262,7 +262,7 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
     # The point of no return. From here every failure, exception or Ctrl-C ends in a rollback.
     try:
         try:
-            outcome = bring_up(nodes, phases, f"{hs0.host.name}: {n0.name}")
+            outcome = bring_up(nodes, phases, n0.name)
             if outcome["state"] == "healthy" and gate:
                 phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
                 outcome = _metric_gate(hs0, gate, bench_opts, outcome)
@@ -402,7 +402,7 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
             print_script_diff(hs, state["root"], state["current"], target["name"])
     nodes_up = [Node(hs, t["name"], t, state["root"]) for hs, t, state in targets]
     hs0, t0, _ = targets[0]
-    outcome = bring_up(nodes_up, phases, f"{hs0.host.name}: rollback to {t0['name']}")
+    outcome = bring_up(nodes_up, phases, f"rollback to {t0['name']}")
     if outcome["state"] != "healthy":
         report_failure(hs0, t0["name"], outcome)
         for hs, t, _ in targets:

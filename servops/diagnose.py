@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-import yaml
-
 from .errors import ServopsError
 from .output import console, err_console
 from .patchstore import PATCH_ROOT
 from .redact import Redactor
 from .releases import deploy_root
 from .remote_exec import run_program
+from .schema import load_yaml, read_text
 from .transport import HostSession
 
 CATEGORIES = ("dynamo-trace", "cuda-oom", "nccl", "illegal-memory-access", "jit-build", "arch-unsupported",
@@ -49,12 +48,13 @@ class DiagnoseError(ServopsError):
 
 def known_issues(path: Path | None = None) -> list[dict]:
     path = path or PATCH_ROOT / "known_issues.yml"
-    try:
-        data = yaml.safe_load(path.read_text()) or []
-    except (OSError, yaml.YAMLError) as exc:
-        raise DiagnoseError(f"{path}: cannot load the knowledge base: {exc}") from None
+    data = load_yaml(read_text(path, DiagnoseError), path, DiagnoseError) or []
+    if not isinstance(data, list):
+        raise DiagnoseError(f"{path}: must be a list of entries (- id: ...)")
     seen = set()
-    for entry in data:
+    for k, entry in enumerate(data, 1):
+        if not isinstance(entry, dict):
+            raise DiagnoseError(f"{path}: entry {k} must be a mapping (id, title, category, explanation, match)")
         eid = entry.get("id", "?")
         for key in ("id", "title", "category", "explanation"):
             if key not in entry:
@@ -220,19 +220,39 @@ def parse_context(value) -> int:
     return n
 
 
+MAX_LOCAL_LOG = 16 << 20  # as on the host (remote/diagnose_ctx.py): the end of the log is where it failed
+
+
+def read_local_log(path: Path) -> tuple[str, bool]:
+    """The last MAX_LOCAL_LOG bytes of a local log (from a line start), and whether it was cut."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            if size > MAX_LOCAL_LOG:
+                fh.seek(size - MAX_LOCAL_LOG)
+                data = fh.read(MAX_LOCAL_LOG)
+                data = data[data.find(b"\n") + 1:]
+            else:
+                data = fh.read(MAX_LOCAL_LOG)
+    except OSError as exc:
+        raise DiagnoseError(f"--log {str(path)!r}: cannot read it: {exc.strerror or exc}") from None
+    return data.decode("utf-8", "replace"), size > MAX_LOCAL_LOG
+
+
 def diagnose(hs: HostSession, release: str | None = None, log_text: str | None = None, context: int = 3,
-             allow_outside: bool = False, log_name: str | None = None) -> dict:
+             allow_outside: bool = False, log_name: str | None = None, log_truncated: bool = False) -> dict:
     """The host's findings, frames resolved to its files: one SSH command."""
     args = {"deploy_root": deploy_root(hs.host), "release": validate_release(release or "") or None,
-            "context": context, "log_text": log_text, "log_name": log_name, "allow_outside": allow_outside}
+            "context": context, "log_text": log_text, "log_name": log_name, "allow_outside": allow_outside,
+            "log_truncated": log_truncated}
     return run_program(hs, "diagnose_ctx", args)
 
 
-def scan_local(text: str, source: str) -> dict:
+def scan_local(text: str, source: str, truncated: bool = False) -> dict:
     """--offline: the same findings, parsed here; frames are left as the log shows them."""
     from .remote.tracebacks import scan
 
-    return {"source": source, "offline": True, "scan": scan(text)}
+    return {"source": source, "offline": True, "scan": scan(text), "truncated": truncated}
 
 
 def diagnose_command(host: str, release: str | None = None) -> str:
@@ -519,12 +539,12 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
     ctx = parse_context(context)
     validate_release(release)
     issues = known_issues()
-    log_text = None
+    log_text, log_truncated = None, False
     if log:
         path = Path(log)
         if not path.is_file():
             raise DiagnoseError(f"--log {log!r}: no such local file")
-        log_text = path.read_text(errors="replace")
+        log_text, log_truncated = read_local_log(path)
     if offline:
         if not log:
             raise DiagnoseError("--offline diagnoses a local file: give it with --log FILE")
@@ -536,7 +556,7 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
             if len(targets) == 1:
                 redactor = Redactor.for_host(targets[0])
         redact = make_redactor(redactor)
-        rep = report(Path(log).name, scan_local(log_text, log), issues, explain=explain, as_json=as_json, redact=redact)
+        rep = report(Path(log).name, scan_local(log_text, log, log_truncated), issues, explain=explain, as_json=as_json, redact=redact)
         print_verdicts([rep], as_json, redact)
         return rep.exit_code
 
@@ -544,7 +564,7 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
 
     def op(hs):
         redactors[hs.host.name] = hs.redactor
-        res = diagnose(hs, release or None, log_text, ctx, allow_outside, Path(log).name if log else None)
+        res = diagnose(hs, release or None, log_text, ctx, allow_outside, Path(log).name if log else None, log_truncated)
         return OK, f"{len(res['scan']['findings'])} failure(s) in {res.get('release') or res.get('source')}", res
 
     vr = on_hosts(inventory, hosts, op)

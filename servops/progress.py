@@ -71,7 +71,7 @@ class Wait:
                     from .output import make_console
                     from rich.progress import BarColumn, Progress, TextColumn
 
-                    _live = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24),
+                    _live = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24),
                                      TextColumn("{task.fields[clock]}"), TextColumn("{task.fields[log]}", style="dim", markup=False),
                                      console=make_console(stderr=True), transient=True)
                 if not _live.live.is_started:

@@ -161,9 +161,23 @@ def _environment(root: Path) -> jinja2.Environment:
     return env
 
 
+# A flag or env value may hold tabs and newlines (a JSON config); no other control character has
+# a use there, and one (ESC, CR, NUL) would hide what the launch script really says.
+_VALUE_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def _render_value(env: jinja2.Environment, value: Any, context: Mapping, where: str) -> Any:
     if isinstance(value, list):
         return [_render_value(env, v, context, f"{where}[{i}]") for i, v in enumerate(value)]
+    out = _render_template(env, value, context, where)
+    m = _VALUE_CONTROL.search(out) if isinstance(out, str) else None
+    if m:
+        raise RenderError(f"{where}: the value holds control character {m.group()!r} at {m.start()}; "
+                          f"write it without (tabs and newlines are fine)")
+    return out
+
+
+def _render_template(env: jinja2.Environment, value: Any, context: Mapping, where: str) -> Any:
     if not isinstance(value, str) or ("{" not in value and "%" not in value):
         return value
     try:

@@ -185,7 +185,72 @@ def _regex(value: Any) -> str | None:
         re.compile(value)
     except (re.error, TypeError) as exc:
         return f"{value!r} is not a valid regex: {exc}"
+    if _nested_repeat(value):
+        return (f"{value!r} repeats a repetition (like (a+)+), which can take exponential time on one "
+                f"log line; write it without the outer repeat")
     return None
+
+
+def _nested_repeat(pattern: str) -> bool:
+    """Whether an unbounded repeat's body can be matched by an inner unbounded repeat alone (every
+    other part of the body optional): `(a+)+`, `(\\w+\\s?)*`. Such a body splits one run of text in
+    exponentially many ways, the shape of catastrophic backtracking that would pin the host's
+    health gate (a crash signature runs on every log line). `(\\d+\\.)+` is fine: its dot delimits."""
+    from re import _constants as C, _parser
+
+    repeats = (C.MAX_REPEAT, C.MIN_REPEAT)
+
+    def unbounded(av) -> bool:
+        return av[1] == C.MAXREPEAT or av[1] > 64
+
+    def min_width(seq) -> int:
+        total = 0
+        for op, av in seq:
+            if op in repeats or op == C.POSSESSIVE_REPEAT:
+                total += av[0] * min_width(av[2])
+            elif op == C.SUBPATTERN:
+                total += min_width(av[-1])
+            elif op == C.ATOMIC_GROUP:
+                total += min_width(av)
+            elif op == C.BRANCH:
+                total += min(min_width(b) for b in av[1])
+            elif op in (C.LITERAL, C.NOT_LITERAL, C.ANY, C.IN, C.CATEGORY, C.RANGE):
+                total += 1
+        return total
+
+    def repeats_alone(seq) -> bool:
+        """Some item of `seq` is (or holds, alone) an unbounded repeat, and the rest is optional."""
+        for j, (op, av) in enumerate(seq):
+            rest = [x for k, x in enumerate(seq) if k != j]
+            if min_width(rest):
+                continue
+            if op in repeats and unbounded(av):
+                return True
+            if op == C.SUBPATTERN and repeats_alone(av[-1]):
+                return True
+            if op == C.BRANCH and any(repeats_alone(b) for b in av[1]):
+                return True
+        return False
+
+    def walk(seq) -> bool:
+        for op, av in seq:
+            if op in repeats:
+                if unbounded(av) and repeats_alone(av[2]):
+                    return True
+                if walk(av[2]):
+                    return True
+            elif op in (C.SUBPATTERN, C.ATOMIC_GROUP, C.POSSESSIVE_REPEAT):
+                if walk(av if op == C.ATOMIC_GROUP else av[-1]):
+                    return True
+            elif op == C.BRANCH:
+                if any(walk(b) for b in av[1]):
+                    return True
+            elif op in (C.ASSERT, C.ASSERT_NOT):
+                if walk(av[1]):
+                    return True
+        return False
+
+    return walk(list(_parser.parse(pattern)))
 
 
 HEALTH = {

@@ -565,3 +565,77 @@ def test_damaged_local_results_are_skipped_not_a_traceback(lab, tmp_path):
     log.write_bytes(b'[]\n7\n\xff\n{"phase": "campaign", "outcome": "started"}\n')
     res = run_invoke("tune.report", str(camps / "c.yml"), inventory=lab.inventory(), env=env)
     assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_value_with_control_characters_is_one_line_before_the_host(alab, tmp_path):
+    """ESC, CR or NUL in a flag or env value would make the launch script say something other
+    than what `render` shows; tabs and newlines (a JSON config) are kept."""
+    lab, inv, _port = alab
+    books = playbooks_with(tmp_path,
+                           esc='extends: baseline\nserver_args: {served-model-name: "a\\x1b[2Jb"}\n',
+                           cr='extends: baseline\nenv: {NOTE: "shown\\rhidden"}\n',
+                           multi='extends: baseline\nenv: {NOTE: "line one\\n\\tline two"}\n')
+    env = {"SERVOPS_PLAYBOOKS": str(books)}
+    for name, where in (("esc", "server_args.served-model-name"), ("cr", "env.NOTE")):
+        res = run_invoke("deploy", "--variant", name, inventory=inv, env=env)
+        one_line_error(res, where, "control character")
+        assert not (root_of(lab) / "releases").exists() or not any((root_of(lab) / "releases").iterdir())
+    res = run_invoke("render", "--variant", "multi", inventory=inv, env=env)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+$", r"(\w+\s?)*x", r"(?:x*)*y"])
+def test_a_crash_signature_that_backtracks_exponentially_is_refused(lab, tmp_path, pattern):
+    books = playbooks_with(tmp_path, slow="extends: baseline\ncrash_signatures: ['%s']\n" % pattern.replace("'", "''"))
+    res = run_invoke("render", "--variant", "slow", env={"SERVOPS_PLAYBOOKS": str(books)},
+                     inventory=lab.inventory())
+    one_line_error(res, "crash_signatures", "repeats a repetition")
+    # a repeat of a delimited group is no such pattern
+    books = playbooks_with(tmp_path, fine="extends: baseline\ncrash_signatures: ['version (\\d+\\.)+\\d+ failed']\n")
+    res = run_invoke("render", "--variant", "fine", env={"SERVOPS_PLAYBOOKS": str(books)}, inventory=lab.inventory())
+    assert res.returncode == 0, res.stderr
+
+
+def test_the_health_gate_drops_a_signature_that_overruns_its_budget(tmp_path):
+    """A pathological signature the static check cannot see ((a|aa)*c: alternation, not nested
+    repeats) must not pin the host's gate: it is dropped after its time budget and reported, and
+    the gate still decides (here: no server running, so it crashed)."""
+    from servops.remote import with_args
+
+    name = "20260101T000000Z-slow"
+    rel = tmp_path / "releases" / name
+    rel.mkdir(parents=True)
+    (rel / "server.log").write_text("loading\n" + "a" * 64 + "\nCUDA out of memory\n")
+    args = {"op": "health", "deploy_root": str(tmp_path), "name": name, "port": free_port(), "health": {},
+            "signatures": [r"(a|aa)*c", r"CUDA out of memory"], "timeout": 60}
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-"], input=with_args("deploy_ctl", args), capture_output=True,
+                         text=True, timeout=60)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert time.monotonic() - t0 < 20
+    assert out["slow_signatures"] == [r"(a|aa)*c"]
+    assert out["state"] == "crashed" and "CUDA out of memory" in out["reason"], out
+
+
+def test_a_huge_local_log_is_diagnosed_from_its_end(tmp_path):
+    log = tmp_path / "server.log"
+    crash = (REPO / "tests" / "fixtures" / "real" / "sglang-5285-capture-oom.log").read_text()
+    with open(log, "w") as fh:
+        for i in range(300_000):
+            fh.write(f"[2025-01-01 00:00:00] Decode batch. #running-req: {i}, #token: 100, gen throughput (token/s): 1.0\n")
+        fh.write(crash)
+    assert log.stat().st_size > 16 << 20
+    res = run_invoke("diagnose", "--offline", "--log", str(log))
+    assert "only the last 16 MiB of the log was read" in res.stdout, res.stdout + res.stderr
+    assert "cuda-oom" in res.stdout or "CUDA out of memory" in res.stdout, res.stdout
+
+
+def test_a_damaged_knowledge_base_is_one_line(tmp_path):
+    from servops.diagnose import DiagnoseError, known_issues
+
+    bad = tmp_path / "known_issues.yml"
+    for text, needle in (("- just a string\n", "entry 1 must be a mapping"), ("a: b\n", "must be a list"),
+                         ("- &a [*a]\n", "refers to itself")):
+        bad.write_text(text)
+        with pytest.raises(DiagnoseError, match=needle):
+            known_issues(bad)

@@ -1,6 +1,7 @@
 import signal
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -382,19 +383,36 @@ def info_ok(port, paths):
     return None
 
 
+class _Overran(Exception):
+    pass
+
+
+def _overran(signum, frame):
+    raise _Overran()
+
+
 class LogWatch:
     """Follows a server log: new lines, crash signatures, and the excerpt around a hit."""
+
+    # Bounds for a 20-minute load that logs without pause: what is read per poll, what is kept
+    # (excerpts need only the recent lines), how much of a line a signature sees, and how long
+    # the signatures may take on one poll (a pathological regex must not pin the gate).
+    READ_CHUNK = 8 << 20
+    KEEP_LINES = 20000
+    MATCH_CHARS = 8192
+    MATCH_BUDGET_S = 2.0
 
     def __init__(self, path, signatures):
         self.path, self.pos, self.partial, self.lines = path, 0, "", []
         self.fatal = [re.compile(p) for p in signatures]
+        self.dropped = []  # signatures that overran the budget: no longer searched
 
     def poll(self):
         """Read what was appended; returns (signature, line index) of the first crash hit, or None."""
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.pos)
-                chunk = fh.read()
+                chunk = fh.read(self.READ_CHUNK)
         except OSError:
             return None
         self.pos += len(chunk)
@@ -403,12 +421,36 @@ class LogWatch:
         text = self.partial + chunk.decode("utf-8", "replace")
         new = text.split("\n")
         self.partial = new.pop()
+        if len(self.partial) > self.READ_CHUNK:  # a line without end (a progress bar's CRs)
+            new.append(self.partial)
+            self.partial = ""
+        if len(self.lines) + len(new) > self.KEEP_LINES:
+            del self.lines[:len(self.lines) + len(new) - self.KEEP_LINES // 2]
         base = len(self.lines)
         self.lines.extend(new)
-        for i, line in enumerate(new):
-            for rx in self.fatal:
-                if rx.search(line):
-                    return rx.pattern, base + i
+        return self._search(new, base)
+
+    def _search(self, new, base):
+        timed = threading.current_thread() is threading.main_thread()
+        if timed:
+            previous = signal.signal(signal.SIGALRM, _overran)
+        try:
+            for rx in list(self.fatal):
+                if timed:
+                    signal.setitimer(signal.ITIMER_REAL, self.MATCH_BUDGET_S)
+                try:
+                    for i, line in enumerate(new):
+                        if rx.search(line[:self.MATCH_CHARS]):
+                            return rx.pattern, base + i
+                except _Overran:
+                    self.fatal.remove(rx)
+                    self.dropped.append(rx.pattern)
+                finally:
+                    if timed:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            if timed:
+                signal.signal(signal.SIGALRM, previous)
         return None
 
     def settle(self):
@@ -454,8 +496,11 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
     last_progress = 0
 
     def result(state, reason, ex=None):
-        return {"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
-                "excerpt": [mask(l) for l in (ex or [])], "log": log.path}
+        out = {"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
+               "excerpt": [mask(l) for l in (ex or [])], "log": log.path}
+        if log.dropped:
+            out["slow_signatures"] = log.dropped
+        return out
 
     while True:
         hit = log.poll()

@@ -189,7 +189,7 @@ def finding_frames(f):
 def main():
     out = {"site": site_dirs(), "python": sys.version.split()[0]}
     if ARGS.get("log_text") is not None:
-        text, truncated = ARGS["log_text"], False
+        text, truncated = ARGS["log_text"], bool(ARGS.get("log_truncated"))
         out["source"] = ARGS.get("log_name") or "local file"
     else:
         root = os.path.realpath(os.path.expanduser(ARGS["deploy_root"]))
