@@ -9,6 +9,7 @@ import pty
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -371,12 +372,29 @@ def test_the_live_health_wait_shows_a_hostile_log_line_safely(alab, tmp_path):
     """On a terminal the health wait shows the server's latest log line: one holding rich markup
     (`[/]`) or escape sequences neither breaks the deploy nor reaches the terminal raw."""
     lab, inv, _port = alab
-    books = playbooks_with(tmp_path, loud='extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: "4"}\n'
-                                         'server_args: {model-path: "/m[/]x[bold]\\e]0;owned\\a\\e[2Jy"}\n')
-    out = run_in_pty("deploy", "--variant", "loud", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    books = playbooks_with(tmp_path, loud='extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: "8"}\n'
+                                         'server_args: {model-path: "/m[/]x[bold]"}\n')
+    # (a value holding escapes is refused before the host, so the server "logs" them: written
+    # into the new release's server.log while the health wait shows its last line)
+    stop = threading.Event()
+
+    def hostile_server():
+        old = set((root_of(lab) / "releases").glob("*/server.log"))
+        while not stop.wait(0.2):  # again and again: the last line whenever the wait looks
+            for log in set((root_of(lab) / "releases").glob("*/server.log")) - old:
+                with open(log, "a") as fh:
+                    fh.write("loading /m[/]x[bold]\x1b]0;owned\x07\x1b[2Jy\n")
+
+    writer = threading.Thread(target=hostile_server, daemon=True)
+    writer.start()
+    try:
+        out = run_in_pty("deploy", "--variant", "loud", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    finally:
+        stop.set()
+        writer.join()
     assert "deployed" in out and "MarkupError" not in out and "Traceback" not in out, out
     assert "\x1b]0;owned" not in out and "\x1b[2Jy" not in out
-    assert "[/]x[bold]" in out  # shown as written
+    assert "[/]x[bold]" in out and "\\x1b]0;owned" in out and "\\x1b[2Jy" in out  # shown as written, escaped
     assert "\x1b[" in out and "\\x1b[38;5" not in out  # rich's own colours reach the terminal, unescaped
 
 
