@@ -18,6 +18,7 @@ import json
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -32,6 +33,9 @@ from .provenance import REPO, git_sha, operator
 from .redact import variant_secrets
 from .render import Launch, render_launch
 from .transport import HostSession
+
+if TYPE_CHECKING:
+    from .launchcheck import LaunchCheck
 
 
 class DeployError(ServopsError):
@@ -68,7 +72,7 @@ def with_args(variant: dict, extra: dict) -> dict:
     return out
 
 
-def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch, "LaunchCheck"]:
+def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch, LaunchCheck]:
     """Read-only, one round trip: the host's own sglang parses the launch (every `when:` branch);
     a flag it rejects, a missing model, a busy port or too few GPUs refuse here, before anything
     stops. Returns the variant as it applies to this host's sglang and what it renders to."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import releases
-from .output import CHANGED, OK, console, print_table, table
+from .output import OK, console, print_table, table
 from .transport import HostSession
 
 

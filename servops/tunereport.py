@@ -17,7 +17,6 @@ import json
 import re
 from pathlib import Path
 
-from . import bench
 from .campaign import Campaign
 from .redact import MASK, is_secret_name
 from .tune import log_path, read_log, trial_states
@@ -206,7 +205,7 @@ def markdown(data: dict) -> str:
     if camp.data.get("description"):
         lines += [_md(camp.data["description"]), ""]
     lines += [f"- objective: {camp.objective.sense} `{camp.objective.written}`",
-              f"- constraints: " + (", ".join(f"`{c}`" for c in camp.constraints if not c.implicit) or "none"),
+              "- constraints: " + (", ".join(f"`{c}`" for c in camp.constraints if not c.implicit) or "none"),
               f"- trials: {len(data['rows'])} (log: `{data['log']}`)"]
     w = data["winner"]
     lines += [f"- **winner: {_md(w['trial'])}** ({_md(w['label'])}): {camp.objective.written} = {_objective_text(w, camp)}"
@@ -238,7 +237,7 @@ def markdown(data: dict) -> str:
                   + (f" ({d['drift_pct']:+.1f}%)" if d.get("drift_pct") is not None else ""), ""]
     diff = script_diff(data)
     if diff:
-        lines += [f"## The winner's launch script against the base", "", "```diff", diff.rstrip("\n"), "```", ""]
+        lines += ["## The winner's launch script against the base", "", "```diff", diff.rstrip("\n"), "```", ""]
     lines += ["![throughput and latency per level](levels.png)", "", "![Pareto front](pareto.png)", ""]
     return "\n".join(lines)
 

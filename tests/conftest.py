@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from servops.lab import venvs as remote_venv
-from servops.lab.sshd import find_sshd, keygen, make_server
+from servops.lab.sshd import find_sshd, free_port, keygen, make_server
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -202,3 +202,39 @@ def sglang_release(sglang_venvs):
             if not path.exists() or path.read_bytes() != data:
                 path.write_bytes(data)
             shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
+
+
+# -- shared by the adversarial suites (test_hardening, test_attacks) --------------------------
+
+MARKER = Path("/tmp/servops-pwned")  # what injected code would create
+
+
+@pytest.fixture
+def no_marker():
+    MARKER.unlink(missing_ok=True)
+    yield
+    assert not MARKER.exists(), "injected code ran"
+
+
+@pytest.fixture
+def alab(lab):
+    """One lab host with its own server port; its server is stopped (lock broken) afterwards."""
+    port = free_port()
+    inv = lab.inventory(host_vars={"lab1": {"server_port": port}})
+    yield lab, inv, port
+    run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
+
+
+def root_of(lab) -> Path:
+    """lab1's deploy root."""
+    return lab.tmp / "deploy-lab1"
+
+
+def one_line_error(res, *needles: str) -> None:
+    """Bad input: exit 2, one stderr line holding every needle, no traceback."""
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

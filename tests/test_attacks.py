@@ -15,48 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import REPO, one_line_error, playbooks_with, root_of, run_invoke
 from servops.lab.sshd import free_port
 
-MARKER = Path("/tmp/servops-pwned")
 TOKEN = "hf_attackRoundSecret987654"
 # What a hostile server log can carry: clear screen + home, a window title, a clipboard write
 # (OSC 52), hidden text, a one-byte CSI (C1), a bare CR that overwrites the line, a bidi override.
 ESCAPES = ["\x1b[2J", "\x1b[H", "\x1b]0;owned\x07", "\x1b]52;c;cm0gLXJmIH4K\x07", "\x1b[8m", "\x9b2J",
            "\rOVERWRITE", "\u202e"]
 HOSTILE = "hostile " + "".join(ESCAPES) + " end"
-
-
-@pytest.fixture(autouse=True)
-def no_marker():
-    MARKER.unlink(missing_ok=True)
-    yield
-    assert not MARKER.exists(), "injected code ran"
-
-
-@pytest.fixture
-def alab(lab):
-    port = free_port()
-    inv = lab.inventory(host_vars={"lab1": {"server_port": port}})
-    yield lab, inv, port
-    run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
-
-
-def root_of(lab) -> Path:
-    return lab.tmp / "deploy-lab1"
+pytestmark = pytest.mark.usefixtures("no_marker")
 
 
 def current_release(lab) -> Path:
     return (root_of(lab) / "current").resolve()
-
-
-def one_line_error(res, *needles: str) -> None:
-    assert res.returncode == 2, res.stdout + res.stderr
-    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 def no_terminal_control(text: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from servops.lab.sshd import free_port
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import REPO, playbooks_with, root_of, run_invoke
 
 NAME = "cuda-version-no-subprocess"
 
@@ -46,10 +46,6 @@ def remote_programs(ssh_port: int) -> list[int]:
 def port_of(inv: Path) -> int:
     import yaml
     return yaml.safe_load(inv.read_text())["all"]["children"]["lab"]["hosts"]["lab1"]["server_port"]
-
-
-def root_of(lab) -> Path:
-    return lab.tmp / "deploy-lab1"
 
 
 def current(lab) -> str:

@@ -18,33 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import MARKER, REPO, one_line_error, playbooks_with, root_of, run_invoke
 from servops import remote
 from servops.errors import InventoryError
 from servops.inventory import parse_inventory
 from servops.lab.sshd import free_port
 
-MARKER = Path("/tmp/servops-pwned")
 CPP_EXT = "flashinfer/jit/cpp_ext.py"
-
-
-@pytest.fixture(autouse=True)
-def no_marker():
-    MARKER.unlink(missing_ok=True)
-    yield
-    assert not MARKER.exists(), "injected code ran"
-
-
-@pytest.fixture
-def hlab(lab):
-    port = free_port()
-    inv = lab.inventory(host_vars={"lab1": {"server_port": port}})
-    yield lab, inv, port
-    run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
-
-
-def root_of(lab) -> Path:
-    return lab.tmp / "deploy-lab1"
+pytestmark = pytest.mark.usefixtures("no_marker")
 
 
 def current(lab) -> str | None:
@@ -82,19 +63,10 @@ def snapshot(lab) -> dict:
     return {"releases": releases, "current": current(lab), "pid": server_pid(lab)}
 
 
-def one_line_error(res, *needles: str) -> None:
-    assert res.returncode == 2, res.stdout + res.stderr
-    lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-
-
 # ---- code execution ---------------------------------------------------------------------------
 
-def test_1_env_names_are_validated_where_env_is_read(hlab, tmp_path):
-    lab, inv, _port = hlab
+def test_1_env_names_are_validated_where_env_is_read(alab, tmp_path):
+    lab, inv, _port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     bad = lab.inventory(host_vars={"lab1": {"server_port": free_port()}},
@@ -115,8 +87,8 @@ def test_2_host_and_group_names_are_validated_at_load():
         assert what in str(err.value) and "\n" not in str(err.value)
 
 
-def test_3_jinja_is_sandboxed_in_values_and_render(hlab, tmp_path):
-    lab, inv, _port = hlab
+def test_3_jinja_is_sandboxed_in_values_and_render(alab, tmp_path):
+    lab, inv, _port = alab
     payload = "{{ cycler.__init__.__globals__.os.system('touch %s') }}" % MARKER
     bad = lab.inventory(host_vars={"lab1": {"server_port": free_port()}},
                         group_vars={"env": {"CUDA_HOME": str(lab.cuda_home()), "X": payload}}, filename="bad.yml")
@@ -131,8 +103,8 @@ def test_3_jinja_is_sandboxed_in_values_and_render(hlab, tmp_path):
 
 # ---- data integrity -----------------------------------------------------------------------------
 
-def test_7_stop_and_revert_refuse_while_a_deploy_holds_the_lock(hlab, tmp_path):
-    lab, inv, port = hlab
+def test_7_stop_and_revert_refuse_while_a_deploy_holds_the_lock(alab, tmp_path):
+    lab, inv, port = alab
     books = playbooks_with(tmp_path, slow="extends: piecewise\nenv: {SGLANG_DOUBLE_LOAD_TIME: '8'}\n")
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     deployer = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO,
@@ -151,8 +123,8 @@ def test_7_stop_and_revert_refuse_while_a_deploy_holds_the_lock(hlab, tmp_path):
     assert current(lab).endswith("-slow") and healthy(port)
 
 
-def test_8_an_empty_lock_is_stale_and_break_lock_always_works(hlab):
-    lab, inv, _port = hlab
+def test_8_an_empty_lock_is_stale_and_break_lock_always_works(alab):
+    lab, inv, _port = alab
     root = root_of(lab)
     root.mkdir(parents=True)
     (root / "deploy.lock").write_bytes(b"")  # what a full disk used to leave
@@ -180,8 +152,8 @@ def test_8_a_failed_lock_write_leaves_no_lock(tmp_path):
     assert list((tmp_path / "root").iterdir()) == []
 
 
-def test_9_a_failure_after_stop_rolls_back(hlab, tmp_path):
-    lab, inv, port = hlab
+def test_9_a_failure_after_stop_rolls_back(alab, tmp_path):
+    lab, inv, port = alab
     books = playbooks_with(tmp_path, broken="extends: baseline\n")
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
@@ -197,8 +169,8 @@ def test_9_a_failure_after_stop_rolls_back(hlab, tmp_path):
     assert json.loads((failed / "release.json").read_text())["status"] == "failed"
 
 
-def test_9_when_the_rollback_fails_too_the_line_says_the_host_is_down(hlab, tmp_path):
-    lab, inv, _port = hlab
+def test_9_when_the_rollback_fails_too_the_line_says_the_host_is_down(alab, tmp_path):
+    lab, inv, _port = alab
     books = playbooks_with(tmp_path, broken="extends: baseline\n")
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
@@ -216,8 +188,8 @@ def test_9_when_the_rollback_fails_too_the_line_says_the_host_is_down(hlab, tmp_
     (["--serial", "-1"], ["--serial", "0 or more"]),
     (["--max-fail-percentage", "abc"], ["--max-fail-percentage", "a number"]),
 ])
-def test_10_and_20_bad_deploy_input_is_refused_before_the_host(hlab, args, needles):
-    lab, inv, _port = hlab
+def test_10_and_20_bad_deploy_input_is_refused_before_the_host(alab, args, needles):
+    lab, inv, _port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     one_line_error(run_invoke("deploy", "--variant", "baseline", *args, inventory=inv), *needles)
@@ -229,8 +201,8 @@ def test_10_and_20_bad_deploy_input_is_refused_before_the_host(hlab, args, needl
     ({"server_port": 99999}, ["server_port", "1-65535"]),
     ({"env": ["A=1"]}, ["env", "a mapping"]),
 ])
-def test_20_bad_inventory_values_leave_no_trace(hlab, host_vars, needles):
-    lab, inv, port = hlab
+def test_20_bad_inventory_values_leave_no_trace(alab, host_vars, needles):
+    lab, inv, port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     bad = lab.inventory(host_vars={"lab1": dict({"server_port": port}, **host_vars)}, filename="bad.yml")
@@ -243,8 +215,8 @@ def test_20_bad_inventory_values_leave_no_trace(hlab, host_vars, needles):
     ("extends: baseline\nnnodes: abc\n", ["nnodes", "an integer"]),
     ("extends: baseline\nenv: [A]\n", ["env", "a mapping"]),
 ])
-def test_20_bad_variants_leave_no_trace(hlab, tmp_path, variant, needles):
-    lab, inv, _port = hlab
+def test_20_bad_variants_leave_no_trace(alab, tmp_path, variant, needles):
+    lab, inv, _port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     books = playbooks_with(tmp_path, bad=variant)
@@ -253,10 +225,10 @@ def test_20_bad_variants_leave_no_trace(hlab, tmp_path, variant, needles):
     host_untouched(lab, before)
 
 
-def test_12_the_host_guard_rolls_back_when_the_controller_dies(hlab, tmp_path):
+def test_12_the_host_guard_rolls_back_when_the_controller_dies(alab, tmp_path):
     """SIGKILL of the controller mid-gate on a crashing release: the old release comes back with
     no further command."""
-    lab, inv, port = hlab
+    lab, inv, port = alab
     inv = lab.inventory(host_vars={"lab1": {"server_port": port, "lease_timeout": 5}}, filename="lease.yml")
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good = current(lab)
@@ -286,8 +258,8 @@ def test_12_the_host_guard_rolls_back_when_the_controller_dies(hlab, tmp_path):
     assert res.returncode == 0 and "guard.rollback" in res.stdout and "guard.takeover" in res.stdout
 
 
-def test_13_variant_health_timeout_wins_and_render_says_so(hlab, tmp_path):
-    lab, _inv, port = hlab
+def test_13_variant_health_timeout_wins_and_render_says_so(alab, tmp_path):
+    lab, _inv, port = alab
     inv = lab.inventory(host_vars={"lab1": {"server_port": port, "health_timeout": 77}}, filename="ht.yml")
     books = playbooks_with(tmp_path, quick="extends: baseline\nhealth: {timeout: 33}\n",
                            plain="template: launch_sglang.sh.j2\nserver_args: {model-path: m}\n")
@@ -303,8 +275,8 @@ def test_13_variant_health_timeout_wins_and_render_says_so(hlab, tmp_path):
 TOKEN = "hf_variantOnlySecret123456"
 
 
-def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(hlab, tmp_path):
-    lab, inv, port = hlab
+def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(alab, tmp_path):
+    lab, inv, port = alab
     books = playbooks_with(tmp_path, secret=f"extends: baseline\nenv: {{HF_TOKEN: {TOKEN}}}\n"
                                             f"server_args: {{api-key: {TOKEN}}}\n",
                            secretcrash=f"extends: piecewise\nenv: {{HF_TOKEN: {TOKEN}}}\n"
@@ -347,9 +319,9 @@ def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(hlab, tmp
     assert TOKEN in (rel / "server.log").read_text()  # the server printed it; servops never shows it
 
 
-def test_16_remote_programs_get_their_environment_on_stdin(hlab):
+def test_16_remote_programs_get_their_environment_on_stdin(alab):
     """patch.preflight's HF_TOKEN never appears on a command line on the host (ps)."""
-    lab, _inv, port = hlab
+    lab, _inv, port = alab
     inv = lab.inventory(host_vars={"lab1": {"server_port": port}},
                         group_vars={"env": {"CUDA_HOME": str(lab.cuda_home()), "HF_TOKEN": TOKEN}}, filename="tok.yml")
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "patch.preflight", "cuda-version-no-subprocess",
@@ -369,8 +341,8 @@ def test_16_remote_programs_get_their_environment_on_stdin(hlab):
 # ---- paths ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("release", ["/etc", "../../etc", "x/../y", "20261202T000000Z-a/../../b"])
-def test_17_logs_release_is_a_name_not_a_path(hlab, release):
-    lab, inv, _port = hlab
+def test_17_logs_release_is_a_name_not_a_path(alab, release):
+    lab, inv, _port = alab
     one_line_error(run_invoke("logs", "--release", release, inventory=inv), "--release", "release name")
 
 
@@ -470,10 +442,10 @@ def test_21_a_frozen_sshd_is_named_with_the_timeout(lab, sshd_hosts):
     assert "lab1" in res.stderr and "did not answer within 2s" in res.stderr and "No existing session" not in res.stderr
 
 
-def test_12_a_controller_lost_before_the_restart_leaves_the_old_server_and_undoes_the_patches(hlab, remote_env):
+def test_12_a_controller_lost_before_the_restart_leaves_the_old_server_and_undoes_the_patches(alab, remote_env):
     """Killed after the new release is prepared (guard armed) but before the old server stops: the
     guard undoes the patches that deploy applied; the old server never stopped."""
-    lab, _inv, port = hlab
+    lab, _inv, port = alab
     inv = lab.inventory(host_vars={"lab1": {"server_port": port, "lease_timeout": 5}}, filename="lease.yml")
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good, pid = current(lab), server_pid(lab)

@@ -190,13 +190,18 @@ FAKE = {
 }
 
 
-@pytest.fixture
-def fake_sglang(tmp_path):
-    for rel, text in FAKE.items():
-        path = tmp_path / rel
+def sglang_tree(root, files: dict) -> str:
+    """A source tree of sglang files (path -> text) under `root`; the package directory."""
+    for rel, text in files.items():
+        path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    return str(tmp_path / "sglang")
+    return str(root / "sglang")
+
+
+@pytest.fixture
+def fake_sglang(tmp_path):
+    return sglang_tree(tmp_path, FAKE)
 
 
 def test_static_parser_reads_fields_add_argument_calls_and_constants(fake_sglang):
@@ -296,11 +301,7 @@ OLD_STYLE = {
 
 @pytest.fixture
 def old_style(tmp_path):
-    for rel, text in OLD_STYLE.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return str(tmp_path / "sglang")
+    return sglang_tree(tmp_path, OLD_STYLE)
 
 
 def test_static_read_of_locals_star_imports_bases_and_twice_declared_fields(old_style):

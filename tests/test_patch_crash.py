@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_invoke
+from conftest import run_invoke
 from servops import remote
 
 N_FILES = 24

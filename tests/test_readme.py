@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import yaml
 

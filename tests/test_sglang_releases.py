@@ -13,7 +13,6 @@ release through its real parser.
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,7 +23,6 @@ import pytest
 import yaml
 
 from servops.lab.sshd import free_port
-from servops.playbooks import load_variant, resolve
 from conftest import REPO, playbooks_with, run_invoke
 
 RELEASES = ["0.5.9", "0.5.15", "0.5.23"]
