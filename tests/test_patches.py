@@ -147,7 +147,7 @@ def test_version_mismatch_refused_unless_forced(lab, remote_env, tmp_path):
     src = REPO / "patches/flashinfer-python"
     (root / "flashinfer-python" / "old.patch").write_text((src / f"{NAME}.patch").read_text())
     (root / "flashinfer-python" / "old.yml").write_text(
-        (src / f"{NAME}.yml").read_text().replace('"flashinfer-python>=0.2,<0.8"', '"flashinfer-python<0.5"'))
+        (src / f"{NAME}.yml").read_text().replace('"flashinfer-python>=0.2.14.post1,<0.8"', '"flashinfer-python<0.5"'))
     target = remote_env["site"] / CPP_EXT
     before = sha(target)
     env = {"SERVOPS_PATCHES": str(root)}

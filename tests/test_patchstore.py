@@ -25,6 +25,9 @@ def test_shipped_patch_loads_and_targets_the_real_file():
     p = find_patch("cuda-version-no-subprocess")
     assert p.distribution == "flashinfer-python" and p.files == ["flashinfer/jit/cpp_ext.py"]
     assert p.version_ok("0.7.2.post1") and not p.version_ok("0.8.0") and not p.version_ok("0.1")
+    # exactly the releases with the bug (tests/test_flashinfer_release_sweep.py sweeps them all)
+    assert p.version_ok("0.2.14.post1") and p.version_ok("0.6.3") and p.version_ok("0.7.4")
+    assert not p.version_ok("0.2.14") and not p.version_ok("0.2.5")
     assert p.preflight["call"] == "is_cuda_version_at_least"
     assert [x.name for x in all_patches()] == ["cuda-version-no-subprocess"]
 
