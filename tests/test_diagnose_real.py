@@ -188,6 +188,47 @@ def test_a_double_spaced_paste_reads_like_the_log():
         assert canonical(text.replace("\n", "\n\n")) == canonical(text), name
 
 
+def test_blank_lines_between_frames_also_stand_above_the_exception_line():
+    # TGI prints the shard's stderr with a blank line after every frame and after the last one
+    [f] = findings(real("tgi-686-v100-sharded-flash-attention.log"))
+    assert f["root_exception"].startswith("NotImplementedError: Sharded Llama requires Flash Attention")
+    assert len(all_frames(f)) == 2
+    # without blank lines between the frames, a blank line ends the traceback as before
+    text = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n\nValueError: later\n'
+    assert findings(text)[0]["root_exception"] == "(exception line not in the log)"
+
+
+def test_a_message_quoted_whole_is_read_without_its_quotes():
+    [f] = findings(real("oobabooga-2926-quoted-cuda-error-209.log"))
+    assert f["root_exception"].startswith("CUDA error 209 at C:")
+    [f] = findings(real("sglang-docs-13-inline-code-triton-shared-memory.log"))
+    assert f["root_exception"].endswith("`num_stages` may help.")
+    assert match(f, ISSUES)[0]["id"] == "triton-out-of-resources"
+
+
+def test_a_launcher_reporting_a_child_killed_by_a_signal_is_a_failure_but_a_stop_is_not():
+    [f] = findings(real("tgi-1627-shard-signal-4.log"))
+    assert f["root_exception"].startswith("Shard process was signaled to shutdown with signal 4")
+    [f] = findings(real("trtllm-1700-mpirun-rank-killed.log"))
+    assert "exited on signal 9 (Killed)" in f["root_exception"]
+    for sig in (2, 15):
+        assert findings(f"mpirun noticed that process rank 1 with PID 7 on node n exited on signal {sig} (Terminated).") == []
+
+
+def test_a_json_log_line_is_read_as_its_message_and_level():
+    [f] = findings(real("tgi-3317-json-router-request-failed.log"))
+    assert f["root_exception"].startswith("Request failed during generation: Server error: error trying to connect")
+    docker = '{"log":"\\u001b[36m(Worker pid=6)\\u001b[0m RuntimeError: CUDA error: an illegal memory access was encountered\\n","stream":"stderr"}'
+    [f] = findings(docker)
+    assert f["root_exception"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert findings('{"level":"INFO","message":"Shard ready in 12.3s","target":"text_generation_launcher"}') == []
+
+
+def test_an_mpi_runtime_error_above_a_traceback_is_its_cause():
+    [f] = findings(real("trtllm-2476-prte-bad-parameter.log"))
+    assert "PRTE ERROR: Bad parameter" in f["root_exception"]
+
+
 # -- prefixes ----------------------------------------------------------------------------------
 
 PREFIX_STYLES = {

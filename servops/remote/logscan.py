@@ -5,7 +5,8 @@
 # `(Worker_TP2 pid=99) ERROR 06-26 23:10:17 [multiproc_executor.py:527] `, Ray's
 # `(SGLangEngine pid=952, ip=10.0.0.1) `, torchrun's `[rank0]:`, Kubernetes CRI
 # `2025-..+08:00 stdout F `, docker compose `sglang-1  | `, journald, CI timestamps, ANSI colours,
-# CR line ends, a paste that double-spaced every line. normalise() strips them, learns unknown
+# CR line ends, a paste that double-spaced every line, JSON records (docker's json-file driver,
+# TGI's --json-output: read as their level and message). normalise() strips them, learns unknown
 # leading tags from the lines that carry a Traceback header or an error, and says which
 # rank/process each line came from so multi-rank logs can be read one stream at a time.
 import re as _re
@@ -53,7 +54,9 @@ _PREFIXES = [
     # Rust `tracing` (SGLang's router, TGI's launcher): after the level, `span{fields}:span: ` and
     # the target, with its `file.rs:N: `, or a `crate::module: ` target.
     # (A paste may start inside the span list: `:infer:send_error: text_generation_router::infer: `.)
-    ("rust", _re.compile(r"(?::?(?:[A-Za-z_]\w*(?:\{[^{}\n]*\})?:)+ )?[a-z_][a-z0-9_]*(?:(?:::[a-z0-9_]+)*: [\w./-]+\.rs:\d+|(?:::[a-z0-9_]+)+): "),
+    # (TGI's shard manager: a span named with a hyphen and a bare target, `shard-manager: text_generation_launcher: `.)
+    ("rust", _re.compile(r"(?::?(?:[A-Za-z_]\w*(?:\{[^{}\n]*\})?:)+ )?[a-z_][a-z0-9_]*(?:(?:::[a-z0-9_]+)*: [\w./-]+\.rs:\d+|(?:::[a-z0-9_]+)+): |"
+                         r"[a-z][a-z0-9_]*-[\w-]*(?:\{[^{}\n]*\})?: [a-z]+(?:_[a-z0-9]+)+: "),
      "header"),
     ("compose", _re.compile(r"(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?"), "proc"),
     ("journal", _re.compile(r"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ (?P<prog>[\w.@/-]+?)(?:\[(?P<jpid>\d+)\])?: "), "proc"),
@@ -96,8 +99,28 @@ class Line(object):
         return "Line(%d, %r, stream=%r)" % (self.no, self.text, self.stream)
 
 
+# A structured log line (TGI's --json-output, docker's json-file driver, JSON loggers): its
+# message, with the record's level in front where it names one (cut pastes leave it unclosed).
+_JSON_MSG = _re.compile(r'"(?:message|msg|log)"\s*:\s*"((?:[^"\\]|\\.)*)')
+_JSON_LEVEL = _re.compile(r'"(?:level|levelname|severity)"\s*:\s*"([A-Za-z]+)"')
+_JSON_ESC = _re.compile(r'\\(u[0-9a-fA-F]{4}|.)')
+_JSON_CHARS = {"n": " ", "t": "\t", "r": "", "b": "", "f": ""}
+
+
+def _json_line(line):
+    m = _JSON_MSG.search(line)
+    if not m:
+        return line
+    msg = _JSON_ESC.sub(lambda e: chr(int(e.group(1)[1:], 16)) if len(e.group(1)) == 5
+                        else _JSON_CHARS.get(e.group(1), e.group(1)), m.group(1)).rstrip()
+    lv = _JSON_LEVEL.search(line)
+    return (lv.group(1).upper() + " " + msg) if lv else msg
+
+
 def _clean(raw):
     line = raw
+    if line.startswith('{"'):
+        line = _json_line(line)
     if line.endswith("\r"):
         line = line.rstrip("\r")
     if line.endswith("^M"):
@@ -121,6 +144,14 @@ def _clean(raw):
             return ""
         if line.count("`") % 2:
             line = line.replace("`", "", 1)
+        elif line.rstrip().endswith("`") and len(line.strip()) > 2:
+            # a whole line pasted as inline code that has code spans of its own: `E: ... `x` ...`
+            body = line.strip()
+            line = line[:len(line) - len(line.lstrip())] + body[1:-1]
+    elif first == '"' and line.rstrip().endswith('"') and line.count('"') == 2 and len(line.strip()) > 2:
+        # a message quoted whole in prose: "CUDA error 209 at ...: no kernel image is available"
+        body = line.strip()
+        line = line[:len(line) - len(line.lstrip())] + body[1:-1]
     if line.endswith("`") and line.count("`") % 2:
         line = line[:-1]
     return line

@@ -49,7 +49,12 @@ _ERROR_CLASSES = [
     ("nccl", _re.compile(r"Watchdog caught collective operation timeout|\bNCCL (?:error|Error|ERROR)\b|\bnccl[A-Z]\w*Error\b|"
                          r"ProcessGroupNCCL.*(?:terminated with exception|[Tt]imed? ?out)|NCCL communicator was aborted")),
     ("signal", _re.compile(r"Segmentation fault|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL)\b|Aborted \(core dumped\)|\(core dumped\)|^Killed\s*$|"
-                           r"^Bus error|received signal (?:\d+|SIG\w+)|Signal \d+ \(SIG\w+\) received")),
+                           r"^Bus error|received signal (?:\d+|SIG\w+)|Signal \d+ \(SIG\w+\) received|"
+                           # a launcher reporting its child's death (TGI's shard manager, mpirun); not
+                           # SIGINT/SIGTERM, which is how a server is stopped
+                           r"(?:signaled to shutdown with|exited on|killed by|terminated by) signal (?!(?:2|15)\b)\d+")),
+    # the MPI runtime (TensorRT-LLM under mpirun, Triton's multi-GPU backend) failing by itself
+    ("mpi", _re.compile(r"\b(?:PRTE|ORTE|PMIX) ERROR\b|MPI_ABORT was invoked|\bMPI error\b")),
     # SGLang's advice printed after a piecewise CUDA graph failure (and by other ranks): evidence
     # that something failed there, but never the failure itself when anything else says more
     ("hint", _re.compile(r"Piecewise CUDA Graph is enabled by default as an experimental")),
@@ -73,7 +78,9 @@ _ERROR_CLASSES = [
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
                          r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
                          r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
-                         r"died with (?:exit code|signal)", _re.I)),
+                         r"died with (?:exit code|signal)|\bShard \d+ failed to start|ShardCannotStart|ShardFailed|"
+                         # TGI's router: the shard's socket is gone (the shard process exited)
+                         r"Server error: error trying to connect", _re.I)),
 ]
 _CONSEQUENCE = ("exit",)
 _WEAK = ("hint",)  # a cause only when nothing stronger is there
@@ -89,7 +96,8 @@ _ERROR_WORDS = ("CUDA", "cuda", "Assertion", "CUBLAS", "CUDNN", "illegal", "kern
                 "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
                 "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
                 "validation error", ": error: ", "gated repo", "restricted", "Client Error", "Repository Not Found",
-                "couldn't connect", "socket has", "Dist", "Rendezvous", "timed out", "panicked")
+                "couldn't connect", "socket has", "Dist", "Rendezvous", "timed out", "panicked", "Shard", "trying to connect",
+                "MPI", "TE ERROR", "PMIX")
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
@@ -135,6 +143,7 @@ class _Stream(object):
         self.lines = lines
         self.n = len(lines)
         self.items = []
+        self.gapped = False
 
     def text(self, i):
         return self.lines[i].text
@@ -143,6 +152,7 @@ class _Stream(object):
     def frames(self, i):
         """Frames from line i on (with their source lines); returns (frames, next i)."""
         frames = []
+        self.gapped = False
         while i < self.n:
             t = self.text(i)
             m = _FRAME.match(t)
@@ -168,6 +178,7 @@ class _Stream(object):
                 while k < self.n and not self.text(k).strip():
                     k += 1
                 if frames and k < self.n and _FRAME.match(self.text(k)):
+                    self.gapped = True
                     i = k
                     continue
             break
@@ -188,6 +199,14 @@ class _Stream(object):
             exc["last"] = self.lines[i - 1].no
         while i < self.n and not self.text(i).strip() and not exc["frames"]:
             i += 1
+        if self.gapped and i < self.n and not self.text(i).strip():
+            # a paste with blank lines between the frames (TGI's shard output) has one above the
+            # exception line too
+            k = i + 1
+            while k < self.n and k - i < 3 and not self.text(k).strip():
+                k += 1
+            if k < self.n and _indent(self.text(k)) == 0 and _looks_exception(self.text(k)):
+                i = k
         if i < self.n:
             t = self.text(i)
             m = _EXC_LINE.match(t.strip()) if not _FRAME.match(t) and not _TB_START.search(t) else None
