@@ -169,6 +169,8 @@ def release_tree(version: str, download: bool = True) -> Path | None:
     dest.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps({"v": MARKER_VERSION, "archive": archive.name, "looked_for": want,
                                   "present": sorted(present), "scan": scan}, indent=1) + "\n")
+    if archive.parent == DL:  # the few files kept are all the sweep reads: 74 releases are 850 MB
+        archive.unlink(missing_ok=True)
     return dest
 
 
