@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import releases
+from . import localfiles, releases
 from .errors import RemoteError, ServopsError
 from .output import console, err_console, is_tty, print_table, table
 from .provenance import git_sha
@@ -217,8 +217,7 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
         line["server_info"] = _mask_secret_keys(line.get("server_info"))
         line["servops"] = dict(_redact(meta, hs.redactor), **line["servops"])
         _add_server_quantiles(line["servops"].get("server_metrics"))
-        with open(path, "a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        localfiles.append_text(path, json.dumps(line) + "\n")
         lines += 1
         run = run_summary(line)
         result["runs"].append(run)
@@ -271,10 +270,9 @@ def new_result_path(host: str, release: str | None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path, n = d / f"{stamp}.jsonl", 1
-    while path.exists() or path.with_suffix(".json").exists():
+    while os.path.lexists(path.with_suffix(".json")) or not localfiles.create_new(path):
         n += 1
         path = d / f"{stamp}-{n}.jsonl"
-    path.touch()
     return path
 
 

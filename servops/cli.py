@@ -4,6 +4,7 @@ error handling and the recap every verb ends with."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Iterator
 
 from invoke import Exit, Task
@@ -129,6 +130,19 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
             except KeyboardInterrupt:
                 err_console.print("interrupted", markup=False)
                 raise Exit(code=130) from None
+            except Exit:
+                raise
+            except Exception as exc:
+                # Data shaped otherwise than servops writes it (a hostile or damaged host's reply,
+                # a tampered local file) that got past the checks: one line, never a traceback.
+                if os.environ.get("SERVOPS_DEBUG"):
+                    raise
+                text = " ".join(f"{type(exc).__name__}: {exc}".split())
+                text = text if len(text) <= 500 else text[:500] + " ..."
+                err_console.print(f"error: unexpected data ({text}); a host's reply or a local file is not what "
+                                  f"servops wrote (SERVOPS_DEBUG=1 shows the traceback)", markup=False,
+                                  highlight=False, style="bold red")
+                raise Exit(code=1) from None
             if isinstance(result, Recap):
                 result.render()
                 if interrupt.requested():

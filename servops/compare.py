@@ -186,6 +186,12 @@ def plot(host: str, results: dict[str, dict], out: Path) -> Path:
     fig.suptitle(f"{host}: {' vs '.join(results)}   (p50 solid, p99 dashed)", fontsize=13)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    import io
+
+    from .localfiles import write_new
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    write_new(out, buf.getvalue())  # by rename: a symlink planted at the name is replaced, not followed
     return out

@@ -75,9 +75,16 @@ def inspect_file(hs: HostSession, req: InspectRequest) -> dict:
 def parse_dists(spec: str) -> list[str]:
     dists = [d.strip() for d in spec.split(",") if d.strip()]
     for dist in dists or [spec]:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", dist or ""):
-            raise ServopsError(f"--verify {dist!r}: expected distribution names like flashinfer-python,sglang")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", dist or ""):
+            raise ServopsError(f"--verify {dist[:80]!r}: expected distribution names like flashinfer-python,sglang")
+    # each one hashes every file it installed on the host: a name given twice is checked once
+    dists = list(dict.fromkeys(re.sub(r"[-_.]+", "-", d).lower() for d in dists))
+    if len(dists) > MAX_VERIFY:
+        raise ServopsError(f"--verify: {len(dists)} distributions; at most {MAX_VERIFY} at a time")
     return dists
+
+
+MAX_VERIFY = 100
 
 
 def verify_dists(hs: HostSession, dists: list[str]) -> list[dict]:

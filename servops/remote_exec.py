@@ -21,18 +21,24 @@ def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str
     out = result.stdout.strip()
     try:
         data = json.loads(out.splitlines()[-1]) if out else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         data = None
     if isinstance(data, dict) and "error" in data:
-        raise RemoteError(f"{hs.host.name}: {hs.redactor(str(data['error']))}")
+        raise RemoteError(f"{hs.host.name}: {hs.redactor(_one_line(data['error']))}")
     if result.exited != 0 or not isinstance(data, dict):
-        detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        detail = _one_line((result.stderr.strip().splitlines() or ["no output"])[-1])
         if result.exited == 127 or "No such file or directory" in result.stderr:
             raise RemoteError(f"{hs.host.name}: cannot run remote python {python}: {hs.redactor(detail)}; check the 'venv' var")
         raise RemoteError(f"{hs.host.name}: remote {name} failed (exit {result.exited}): {hs.redactor(detail)}")
     if "site" in data:
         hs.cache["site_dirs"] = data["site"]
     return data
+
+
+def _one_line(text, limit: int = 2000) -> str:
+    """A host's error message as one bounded line (a hostile host can send anything)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + f" ... [{len(text) - limit} more characters]"
 
 
 def _line_splitter(callback: Callable[[dict], None]) -> Callable[[str], None]:
@@ -44,7 +50,7 @@ def _line_splitter(callback: Callable[[dict], None]) -> Callable[[str], None]:
         for line in lines:
             try:
                 data = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(data, dict) and "progress" in data:
                 callback(data)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bench, interrupt, releases
+from . import bench, interrupt, localfiles, releases
 from .campaign import Campaign, Trial, _layer
 from .deploy import deploy_group, preflight
 from .errors import ServopsError
@@ -86,9 +86,7 @@ class Journal:
     def write(self, entry: dict) -> dict:
         entry = dict(entry, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), campaign=self.camp.name)
         line = self.hs.redactor(json.dumps(entry, sort_keys=True))
-        with open(self.path, "a") as fh:
-            fh.write(line + "\n")
-            fh.flush()
+        localfiles.append_text(self.path, line + "\n")
         host_entry = {"action": "tune." + entry["phase"], "who": operator(), "campaign": self.camp.name,
                       "trial": entry.get("trial"), "release": entry.get("release"), "outcome": entry.get("outcome"),
                       "detail": entry.get("label") or entry.get("reason")}

@@ -312,20 +312,10 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
 
 
 def _write_new(path: Path, data: bytes) -> None:
-    """Write a fresh file and rename it into place: a symlink planted at `path` is replaced,
-    never followed, and a reader never sees half a report."""
-    import os
-    import tempfile
+    """A symlink planted at `path` is replaced, never followed (servops.localfiles)."""
+    from .localfiles import write_new
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_new(path, data)
 
 
 def write_report(host: str, camp: Campaign) -> tuple[Path, Path]:

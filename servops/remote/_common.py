@@ -194,7 +194,7 @@ def append_journal(path, entry):
     entry.setdefault("at", _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()))
     path = os.path.expanduser(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
         os.fsync(fd)
@@ -209,7 +209,9 @@ def replace_with(path, data, mode=0o600, tmp=None):
     if isinstance(data, str):
         data = data.encode()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if os.path.lexists(tmp):  # a leftover of a killed run, or something planted: never written through
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -219,4 +221,17 @@ def replace_with(path, data, mode=0o600, tmp=None):
     except BaseException:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+        raise
+
+
+def open_private(path, flags, mode=0o600):
+    """os.open for a file servops owns (a journal, a log, a marker): never through a symlink, so
+    one planted in its place (by a compromised server, say) cannot point servops' writes at
+    another file. The error names the file."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if os.path.islink(path):
+            fail("%s is a symlink (to %s); servops does not write through it: remove it"
+                 % (path, os.readlink(path)))
         raise

@@ -1,5 +1,6 @@
 import signal
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -26,7 +27,27 @@ def release_dir(name):
     """A release named as `releases` lists it; never a path."""
     if not NAME_RE.fullmatch(name or ""):
         fail("%r is not a release name (see invoke releases)" % (name,))
-    return os.path.join(RELEASES, name)
+    path = os.path.join(RELEASES, name)
+    if os.path.islink(path):  # planted: servops' writes would land wherever it points
+        fail("release %s is a symlink (to %s), not a release servops made; remove it" % (name, os.readlink(path)))
+    return path
+
+
+def check_root():
+    """The deploy root's own entries are what servops made them: a symlink planted at
+    `releases` or the journal (by a compromised server, say) would carry every write of every
+    op elsewhere, so no op runs until it is removed."""
+    for path in (RELEASES, JOURNAL):
+        if os.path.islink(path):
+            fail("%s is a symlink (to %s); servops does not write through it: remove it" % (path, os.readlink(path)))
+
+
+def own_file(path, flags):
+    """Open a file servops owns inside a release (server.log, lease, markers), never through a
+    symlink: one planted there is removed and the file made anew."""
+    if os.path.islink(path):
+        os.unlink(path)
+    return open_private(path, flags)
 
 
 def current_name():
@@ -48,7 +69,8 @@ def release_info(name):
 
 def list_releases():
     try:
-        names = sorted(n for n in os.listdir(RELEASES) if NAME_RE.fullmatch(n) and os.path.isdir(os.path.join(RELEASES, n)))
+        names = sorted(n for n in os.listdir(RELEASES) if NAME_RE.fullmatch(n) and os.path.isdir(os.path.join(RELEASES, n))
+                       and not os.path.islink(os.path.join(RELEASES, n)))
     except OSError:
         names = []
     return [release_info(n) for n in names]
@@ -93,10 +115,12 @@ def lock_state():
     """(holder record or None, age seconds, readable). An empty or unreadable lock (a full disk
     at lock time, say) is reported as unreadable: it is stale and always breakable."""
     try:
-        st = os.stat(LOCKFILE)
+        st = os.lstat(LOCKFILE)
     except FileNotFoundError:
         return None, 0, True
-    held = read_json(LOCKFILE)
+    # A symlink (dangling, or to another file) or anything not a plain file is no lock servops
+    # wrote: unreadable, so stale and breakable (the break unlinks the entry, never its target).
+    held = read_json(LOCKFILE) if stat.S_ISREG(st.st_mode) else None
     age = time.time() - st.st_mtime
     if not isinstance(held, dict) or not held.get("id"):
         return {"id": None, "unreadable": True, "size": st.st_size, "mtime": st.st_mtime}, age, False
@@ -333,7 +357,7 @@ def start_server(name, port):
         fail("a server is still running (pid %d); stop it first" % server_proc()["pid"])
     d = release_dir(name)
     log_path = os.path.join(d, "server.log")
-    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    log = os.fdopen(own_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
     # A new session: the server outlives this SSH channel and is signalled as one group.
     proc = subprocess.Popen(["bash", os.path.join(d, "launch.sh")], cwd=d, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -353,8 +377,11 @@ def op_start():
 
 
 def touch_private(path):
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    os.utime(path)
+    fd = own_file(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
 
 
 # ---- the health gate --------------------------------------------------------------------------
@@ -410,7 +437,7 @@ class LogWatch:
     def poll(self):
         """Read what was appended; returns (signature, line index) of the first crash hit, or None."""
         try:
-            with open(self.path, "rb") as fh:
+            with os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                 fh.seek(self.pos)
                 chunk = fh.read(self.READ_CHUNK)
         except OSError:
@@ -572,6 +599,8 @@ def op_logs():
     path = os.path.join(release_dir(name), "server.log")
     if not os.path.exists(path):
         fail("release %s has no server.log" % name)
+    if not os.path.isfile(path) or os.path.islink(path):
+        fail("release %s: server.log is not a plain file (a symlink?); not reading it" % name)
     mask = masker(name)
     n = int(ARGS.get("lines", 100))
     return {"name": name, "path": path, "lines": [mask(l) for l in tail_lines(path, n)]}
@@ -615,7 +644,7 @@ def op_follow():
     while os.getppid() == parent:  # the SSH session ended (Ctrl-C): nobody reads us any more
 
         try:
-            with open(path, "rb") as fh:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                 if os.fstat(fh.fileno()).st_size < pos:
                     pos = 0  # truncated
                 fh.seek(pos)
@@ -668,7 +697,7 @@ def op_journal():
 def op_renew():
     """The controller is alive: push the guard's lease forward."""
     try:
-        os.utime(os.path.join(release_dir(ARGS["name"]), "lease"))
+        os.utime(os.path.join(release_dir(ARGS["name"]), "lease"), follow_symlinks=False)
         return {"renewed": True}
     except OSError:
         return {"renewed": False}
@@ -843,6 +872,7 @@ OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare":
 
 
 def run_op(op):
+    check_root()
     injected = ARGS.get("_fail") or ""
     fail_op, _, suffix = injected.partition(":")
     if injected and fail_op == op and str(ARGS.get("name") or "").endswith(suffix):

@@ -23,14 +23,44 @@ def proc_starttime(pid):
     return None if fields[0] == "Z" else fields[19]
 
 
+def _proc_stat(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def our_server(root):
-    """servops' server from <deploy_root>/server.pid; a reused pid (another start time) is not ours."""
+    """servops' server from <deploy_root>/server.pid, or None.
+
+    The pidfile is only a claim (a reused pid, or one a compromised server or another program
+    wrote): the process must be what servops starts, checked in /proc. It has the recorded start
+    time, leads its own session and process group (start_new_session), and runs in its release's
+    directory under this deploy root (the launch script cds there). Its pgid is the kernel's,
+    never the file's: `stop` signals only that group."""
     info = read_json(_os.path.join(root, "server.pid"))
     if not isinstance(info, dict) or "pid" not in info:
         return None
-    if proc_starttime(info["pid"]) != info.get("starttime"):
+    try:
+        pid = int(info["pid"])
+    except (TypeError, ValueError):
         return None
-    return info
+    release = info.get("release")
+    if pid <= 1 or not isinstance(release, str) or not release or "/" in release or release.startswith("."):
+        return None
+    fields = _proc_stat(pid)
+    if not fields or fields[0] == "Z" or fields[19] != info.get("starttime"):
+        return None
+    if fields[2] != str(pid) or fields[3] != str(pid):  # pgrp, session
+        return None
+    try:
+        cwd = _os.path.realpath("/proc/%d/cwd" % pid)
+    except OSError:
+        return None
+    if cwd != _os.path.realpath(_os.path.join(root, "releases", release)):
+        return None
+    return dict(info, pid=pid, pgid=pid)
 
 
 def port_in_use(port):

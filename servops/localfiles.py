@@ -1,0 +1,56 @@
+"""Files servops writes on the operator's machine (results/, campaign logs, reports, plots).
+
+The last component of such a path is never followed as a symlink: one planted there (in a
+shared results directory, say) would carry servops' write to another file (~/.bashrc,
+~/.ssh/authorized_keys). Whole files are written by rename (a symlink at the name is replaced);
+appends and new files open with O_NOFOLLOW, and a symlink in their place is one line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import ServopsError
+
+
+def _refuse(path: Path, exc: OSError) -> None:
+    if os.path.islink(path):
+        raise ServopsError(f"{path} is a symlink (to {os.readlink(path)}); servops does not write through it: "
+                           f"remove it") from None
+    raise exc
+
+
+def write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write a fresh file and rename it into place: a symlink planted at `path` is replaced,
+    never followed, and a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def create_new(path: Path) -> bool:
+    """Create an empty file that did not exist (False if something, a symlink included, is there)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append to a log servops keeps (a bench result, trials.jsonl), never through a symlink."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        _refuse(path, exc)
+    with os.fdopen(fd, "a") as fh:
+        fh.write(text)
+        fh.flush()
