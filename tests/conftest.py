@@ -225,6 +225,17 @@ def alab(lab):
     run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
 
 
+def healthy(port: int) -> bool:
+    """Whether a server on 127.0.0.1:port answers /health with 200."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def root_of(lab) -> Path:
     """lab1's deploy root."""
     return lab.tmp / "deploy-lab1"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, one_line_error, playbooks_with, root_of, run_invoke
+from conftest import REPO, healthy, one_line_error, playbooks_with, root_of, run_invoke
 from servops.lab.sshd import free_port
 
 TOKEN = "hf_attackRoundSecret987654"
@@ -432,24 +432,14 @@ def test_a_controller_killed_mid_rollback_leaves_a_running_server(alab):
     proc.kill()
     proc.wait()
     deadline = time.time() + 60
-    while time.time() < deadline and not (current_release(lab).name == first and _healthy(port)):
+    while time.time() < deadline and not (current_release(lab).name == first and healthy(port)):
         time.sleep(0.3)
-    assert current_release(lab).name == first and _healthy(port)
+    assert current_release(lab).name == first and healthy(port)
     res = run_invoke("status", inventory=inv)
     assert res.returncode == 0 and first in res.stdout
     res = run_invoke("stop", "--grace", "2", inventory=inv)
     assert res.returncode == 0, res.stdout + res.stderr
     assert not (root_of(lab) / "deploy.lock").exists()
-
-
-def _healthy(port: int) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def test_a_streamed_command_keeps_only_its_tail_in_memory(lab):

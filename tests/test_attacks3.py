@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import one_line_error, root_of, run_invoke
+from conftest import healthy, one_line_error, root_of, run_invoke
 
 DEPLOY = ("deploy", "--variant", "baseline")
 
@@ -68,15 +67,6 @@ def _current(lab) -> str:
     return os.readlink(root_of(lab) / "current").rsplit("/", 1)[-1]
 
 
-def _healthy(port: int) -> bool:
-    import urllib.request
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def test_symlinks_planted_in_a_release_never_carry_servops_writes(alab, tmp_path):
     """A compromised server replaces its release's server.log with a symlink to the operator's
     ~/.bashrc and plants `restarting` pointing at a new file: a rollback onto that release makes
@@ -95,7 +85,7 @@ def test_symlinks_planted_in_a_release_never_carry_servops_writes(alab, tmp_path
     (rel / "restarting").symlink_to(created)
     res = run_invoke("rollback", inventory=inv)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert _current(lab) == first and _healthy(port)
+    assert _current(lab) == first and healthy(port)
     assert victim.read_text() == "original\n" and not created.exists()
     assert not (rel / "server.log").is_symlink() and (rel / "server.log").stat().st_size > 0
 
@@ -117,7 +107,7 @@ def test_a_symlinked_journal_or_releases_dir_stops_every_op_before_it_writes(ala
         assert res.returncode != 0 and "Traceback" not in res.stdout + res.stderr
         assert "journal.jsonl is a symlink" in res.stdout + res.stderr, res.stdout + res.stderr
         assert victim.read_text() == "original\n"
-    assert _healthy(port)
+    assert healthy(port)
     journal.unlink()
     journal.write_bytes(saved)
     # releases/ itself pointing elsewhere: a new release would be written there
@@ -127,7 +117,7 @@ def test_a_symlinked_journal_or_releases_dir_stops_every_op_before_it_writes(ala
     before = sorted(p.name for p in elsewhere.iterdir())
     res = run_invoke(*DEPLOY, inventory=inv)
     assert res.returncode != 0 and "releases is a symlink" in res.stdout + res.stderr
-    assert sorted(p.name for p in elsewhere.iterdir()) == before and _healthy(port)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before and healthy(port)
     (root / "releases").unlink()
     elsewhere.rename(root / "releases")
 

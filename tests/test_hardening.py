@@ -12,13 +12,12 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import MARKER, REPO, one_line_error, playbooks_with, root_of, run_invoke
+from conftest import MARKER, REPO, healthy, one_line_error, playbooks_with, root_of, run_invoke
 from servops import remote
 from servops.errors import InventoryError
 from servops.inventory import parse_inventory
@@ -38,14 +37,6 @@ def server_pid(lab) -> int | None:
         return json.loads((root_of(lab) / "server.pid").read_text())["pid"]
     except OSError:
         return None
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def host_untouched(lab, before: dict) -> None:
