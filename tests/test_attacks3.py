@@ -226,3 +226,19 @@ def test_symlinks_planted_in_results_are_replaced_or_refused(alab, tmp_path):
     assert res.returncode != 0 and "Traceback" not in res.stdout + res.stderr
     assert "trials.jsonl is a symlink" in res.stdout + res.stderr, res.stdout + res.stderr
     assert victim.read_text() == "ssh-ed25519 AAAA operator\n"
+
+
+def test_a_symlink_planted_at_the_patch_lock_is_refused_not_written_through(lab, remote_env, tmp_path):
+    """The patch lock's holder line truncates the lock file: a symlink planted there would
+    truncate whatever it points at. The operation is refused in one line; nothing changes."""
+    state = Path(remote_env["venv"]).resolve() / ".servops"
+    state.mkdir(mode=0o700, exist_ok=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (state / "lock").symlink_to(victim)
+    target = remote_env["site"] / "flashinfer/jit/cpp_ext.py"
+    before = target.read_bytes()
+    res = run_invoke("patch.apply", "cuda-version-no-subprocess", inventory=lab.inventory())
+    assert res.returncode != 0 and "symlink" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert victim.read_text() == "precious\n" and target.read_bytes() == before

@@ -76,7 +76,8 @@ class Lock:
         self.timeout = timeout
 
     def __enter__(self):
-        self.fh = open(self.path, "a+")
+        # never through a symlink planted at the lock: the holder line below truncates the file
+        self.fh = os.fdopen(open_private(self.path, os.O_RDWR | os.O_CREAT), "r+")
         deadline = time.time() + self.timeout
         while True:
             try:
