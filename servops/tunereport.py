@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from .campaign import Campaign
+from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
 from .tune import log_path, read_log, trial_states
 
@@ -311,21 +312,14 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
     return "\n".join(out)
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    """A symlink planted at `path` is replaced, never followed (servops.localfiles)."""
-    from .localfiles import write_new
-
-    write_new(path, data)
-
-
 def write_report(host: str, camp: Campaign) -> tuple[Path, Path]:
     data = collect(host, camp)
     pngs = plots(data)
     d = data["log"].parent
     for name, png in pngs.items():
-        _write_new(d / f"{name}.png", png)
+        write_new(d / f"{name}.png", png)
     md = d / "report.md"
-    _write_new(md, markdown(data).encode())
+    write_new(md, markdown(data).encode())
     page = d / "report.html"
-    _write_new(page, html_page(data, pngs).encode())
+    write_new(page, html_page(data, pngs).encode())
     return md, page
