@@ -10,11 +10,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from any s
 try:
     from invoke import Collection
 
+    from servops import cliparse
     from servops.cli import VerbRun, on_hosts, select, select_one, servops_task
-    from servops.output import CHANGED, FAILED, OK, console
+    from servops.output import CHANGED, FAILED, OK, console, json_text
 except ImportError as exc:  # not installed: one line, not a traceback
     sys.stderr.write(f"error: servops cannot load ({exc}); run `bash scripts/setup.sh`, then `. .venv/bin/activate`\n")
     sys.exit(2)
+cliparse.install()  # invoke's parse errors (an unknown flag, a missing value) as servops' one-line errors
 
 
 @servops_task(help={
@@ -107,7 +109,7 @@ def _locked(hs, action, dry_run, break_lock, lock_timeout, change):
         return change()
 
 
-@servops_task(name="apply", positional=["name"], help=_PATCH_HELP)
+@servops_task(name="apply", positional=["name"], help=_PATCH_HELP, changes="patch.apply")
 def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30, break_lock=False, hosts=None,
                 inventory=None):
     """Apply a versioned patch to site-packages: atomic, idempotent, recorded on the host."""
@@ -119,7 +121,7 @@ def patch_apply(c, name, dry_run=False, diff=False, force=False, lock_timeout=30
         lambda: patching.apply(hs, patch, dry_run, force, lock_timeout)), diff)
 
 
-@servops_task(name="revert", positional=["name"], help=_PATCH_HELP)
+@servops_task(name="revert", positional=["name"], help=_PATCH_HELP, changes="patch.revert")
 def patch_revert(c, name, dry_run=False, diff=False, lock_timeout=30, break_lock=False, hosts=None, inventory=None):
     """Revert a patch: exact restore from the host's backup, else a reverse patch(1)."""
     from servops import patching, patchstore
@@ -180,6 +182,8 @@ _DEPLOY_HELP = {
     "push": "Prometheus Pushgateway URL to push the deploy event (and gate bench) to.",
     "serial": "Roll out N servers at a time; stop at the first failed batch (Ansible serial).",
     "max_fail_percentage": "With --serial: carry on while a batch's failed share stays at or below this.",
+    "force": "Deploy even when the release would equal the current one (same launch, env, secrets, patches) "
+             "and its server is healthy; without it such a deploy restarts nothing.",
 }
 _BENCH_HELP = {
     "levels": "Concurrency levels, comma-separated (default 1,10,256,1024); with --request-rate each level's "
@@ -200,20 +204,25 @@ _BENCH_HELP = {
                     "level's concurrency; inf (default): fixed concurrency.",
     "burstiness": "Gamma shape of the arrivals: 1 is Poisson, below 1 burstier, above 1 more regular.",
     "max_concurrency": "One level with this concurrency cap (instead of --levels), as bench_serving's flag.",
-    "warmup": "Warmup requests per level, sent before it and left out of its results (default 1).",
+    "warmup": "Warm-up before each level, left out of its results: auto (default: waves at the level's concurrency "
+              "and lengths until their TTFT settles, bounded), 0 (none) or N requests.",
     "flush_cache": "POST /flush_cache before each level (default on; --no-flush-cache skips it); a refusal is "
                    "noted in the results.",
     "seed": "Random seed for prompts, lengths and arrival times (same seed, same requests).",
     "slo": "Goodput SLOs in ms, e.g. ttft:500,tpot:50 (keys ttft, tpot, e2el): goodput and SLO attainment.",
     "repeat": "Run each level N times: the mean with a 95% interval (gates compare noise-aware).",
     "push": "Prometheus Pushgateway URL to push the results to.",
+    "keep_text": "Keep each request's whole generated text in the results (default: its first 1,000 characters).",
 }
 
 
-@servops_task(help=_DEPLOY_HELP, bounds={"max_fail_percentage": (0, 100)})
+@servops_task(help=_DEPLOY_HELP, bounds={"max_fail_percentage": (0, 100)}, changes="deploy")
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
-           keep=0, gate=None, push=None, serial=0, max_fail_percentage=0.0, hosts=None, inventory=None):
-    """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure."""
+           keep=0, gate=None, push=None, serial=0, max_fail_percentage=0.0, force=False, hosts=None, inventory=None):
+    """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure.
+
+    A deploy that would change nothing (the current release has the same launch script, env,
+    secrets and patch set, and its server is healthy) ends `ok - unchanged` and restarts nothing."""
     from servops import deploy as dep
     from servops.errors import ServopsError
     from servops.gate import parse_gate
@@ -229,38 +238,27 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
     groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
     return VerbRun(inv, targets).run(lambda nodes: dep.deploy_group(
         nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push),
+        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push, force=force),
         groups=groups, serial=serial or None, max_fail_percentage=max_fail_percentage).recap
 
 
 @servops_task(help={"watch": "Refresh every SECONDS until Ctrl-C.", "json": "Print JSON for machines."})
 def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
     """Scrape SGLang's /metrics on each host: requests, throughput, TTFT/ITL/e2e quantiles, GPUs."""
-    import json as jsonlib
-    import time
-
     from servops import metrics as m
 
-    while True:
+    def scrape_all():
         run = on_hosts(inventory, hosts, lambda hs: (OK, "", m.scrape(hs)))
         run.recap.machine_output = json
-        rows = [row for _h, row in run.each()]
-        if json:
-            print(jsonlib.dumps(rows, indent=1))
-        else:
-            m.print_metrics(rows)
-        if not watch or run.recap.failed:
-            return run.recap
-        try:
-            time.sleep(watch)
-        except KeyboardInterrupt:
-            return run.recap
+        return [row for _h, row in run.each()], run.recap
+
+    return m.watch(scrape_all, watch, json)
 
 
 @servops_task(help=_BENCH_HELP, bounds={"repeat": (1, None), "input_len": (1, None), "range_ratio": (0, 1)})
 def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, dataset="random", dataset_path="",
-          range_ratio=1.0, tokenizer="", request_rate="inf", burstiness=1.0, max_concurrency=0, warmup=1,
-          flush_cache=True, seed=42, slo="", repeat=1, push="", hosts=None, inventory=None):
+          range_ratio=1.0, tokenizer="", request_rate="inf", burstiness=1.0, max_concurrency=0, warmup="auto",
+          flush_cache=True, seed=42, slo="", repeat=1, push="", keep_text=False, hosts=None, inventory=None):
     """Benchmark the running server with bench_serving's metrics; one JSONL line per level under results/."""
     from servops import bench as b
     from servops.errors import ServopsError
@@ -269,6 +267,8 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
         raise ServopsError("give either --levels or --max-concurrency (one level), not both")
     lv = [int(max_concurrency)] if max_concurrency else b.parse_levels(levels)
     rate = b.parse_rate(request_rate)
+    warmup = b.parse_warmup(warmup)
+    b.check_counts(requests, input_len, output_len, warmup, repeat)
     if not burstiness > 0:
         raise ServopsError(f"--burstiness {burstiness}: must be more than 0")
     slos = b.parse_slo(slo)
@@ -281,7 +281,7 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
     def op(hs):
         result = b.run_bench(hs, lv, requests, input_len, output_len, data, request_rate=rate, burstiness=burstiness,
                              warmup=warmup, flush_cache=flush_cache, seed=seed, range_ratio=range_ratio,
-                             tokenizer=tokenizer or None, slo=slos, repeat=repeat)
+                             tokenizer=tokenizer or None, slo=slos, repeat=repeat, keep_text=keep_text)
         b.print_result(result)
         if push:
             from servops.push import push_bench
@@ -321,7 +321,7 @@ def compare(c, first, second, more="", out="", hosts=None, inventory=None):
     return VerbRun(inv, targets).local(op).recap
 
 
-@servops_task(help=_DEPLOY_HELP)
+@servops_task(help=_DEPLOY_HELP, changes="rollback")
 def rollback(c, to="", dry_run=False, diff=False, break_lock=False, hosts=None, inventory=None):
     """Go back to the previous healthy release (or --to RELEASE): its patches, script, restart."""
     from servops import deploy as dep
@@ -349,11 +349,10 @@ def render(c, variant, hosts=None, inventory=None):
 @servops_task(help={
     "variant": "Variant to check: playbooks/<variant>.yml (e.g. baseline, piecewise).",
     "json": "Print one JSON object per host (version, rules, argv, problems, facts, timings).",
+    "verbose": "Each host's full detail (the default for one host; several get one compact table).",
 })
-def check(c, variant, json=False, hosts=None, inventory=None):
+def check(c, variant, json=False, verbose=False, hosts=None, inventory=None):
     """Launch preflight, read-only: the variant's launch parsed by the host's own sglang, model path, port, GPUs."""
-    import json as jsonlib
-
     from servops import launchcheck as lc
     from servops.playbooks import load_variant
     from servops.releases import deploy_root
@@ -372,22 +371,26 @@ def check(c, variant, json=False, hosts=None, inventory=None):
 
     run = VerbRun(inv, targets).run(op)
     run.recap.machine_output = json
-    for _h, res in run.each():
-        if json:
-            print(jsonlib.dumps({k: getattr(res, k) for k in (
+    checks = [res for _h, res in run.each()]
+    if json:
+        for res in checks:
+            print(json_text({k: getattr(res, k) for k in (
                 "host", "variant_name", "sglang_version", "parser", "static", "rules", "argv", "ok", "problems",
                 "warnings", "facts", "note", "elapsed_s", "host_timings")}, indent=1, default=str))
-        else:
-            lc.print_check(res)
+    elif checks:
+        lc.print_checks(checks, verbose)
     return run.recap
 
 
-@servops_task
-def status(c, hosts=None, inventory=None):
-    """Current release, variant, patches, server pid, health and uptime per host."""
+@servops_task(help={"check": "Fail (exit 1) for a host whose current release is not up and healthy."})
+def status(c, check=False, hosts=None, inventory=None):
+    """Current release, variant, patches, server pid, health and uptime per host.
+
+    A current release whose server is down (after a reboot, a stop) or unhealthy is said so, with
+    the command that brings it back; --check makes that host's line a failure."""
     from servops import ops
 
-    run = on_hosts(inventory, hosts, ops.status)
+    run = on_hosts(inventory, hosts, lambda hs: ops.status(hs, check))
     ops.print_status([row for _h, row in run.each()])
     return run.recap
 
@@ -413,12 +416,57 @@ def logs(c, lines=100, follow=False, release="", hosts=None, inventory=None):
 
 
 @servops_task(help={"grace": "Seconds between SIGTERM and SIGKILL (default: the release's stop_grace).",
-                    "break_lock": "Stop even if another operator holds the deploy lock."})
+                    "break_lock": "Stop even if another operator holds the deploy lock."}, changes="stop")
 def stop(c, grace=0.0, dry_run=False, break_lock=False, hosts=None, inventory=None):
-    """Stop the server (SIGTERM to its process group, SIGKILL after the grace period); never mid-deploy."""
+    """Stop the server and every process of its release (SIGTERM, SIGKILL after the grace); never mid-deploy.
+
+    Children deaf to SIGTERM, a child still serving after its leader died, a setsid() escapee:
+    all found (session, group, descendants, the release's mark) and ended; the port is checked
+    free, and on a GPU host nvidia-smi's compute apps too."""
     from servops import deploy as dep
 
     return on_hosts(inventory, hosts, lambda hs: dep.stop(hs, grace or None, dry_run, break_lock)).recap
+
+
+_RESTART_HELP = {"break_lock": "Take the deploy lock even if another operator holds it."}
+
+
+@servops_task(help=_RESTART_HELP, changes="start")
+def start(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+    """Bring the current release's server up where it is down (after a reboot or a stop), health-gated.
+
+    No new release: its launch script and patch set as deployed (patches re-applied if they went).
+    Already running and healthy: ok, nothing done. A crash at start rolls back to the previous
+    healthy release, as a deploy does."""
+    from servops import deploy as dep
+
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "start", dry_run, break_lock)).recap
+
+
+@servops_task(help=_RESTART_HELP, changes="restart")
+def restart(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+    """Stop and start the current release, health-gated; a crash rolls back to the previous healthy release."""
+    from servops import deploy as dep
+
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "restart", dry_run, break_lock)).recap
+
+
+@servops_task(name="run", positional=["command"], changes="run", help={
+    "command": "Shell command to run on each selected host, e.g. 'nvidia-smi'.",
+    "sudo": "Run it with sudo -n (non-interactive: a password prompt fails instead of hanging).",
+    "timeout": "Seconds the command may take on each host (default 60).",
+}, bounds={"timeout": (1, 86400)})
+def run_(c, command, sudo=False, timeout=60, hosts=None, inventory=None):
+    """Run an ad-hoc command on the selected hosts (Ansible's -a): output per host, its exit status in the recap."""
+    from servops import ops
+    from servops.errors import ServopsError
+
+    if not command.strip() or "\0" in command:
+        raise ServopsError("run: give the command to run, e.g. invoke run 'nvidia-smi' -H gpus")
+    run = on_hosts(inventory, hosts, lambda hs: ops.run_command(hs, command, sudo, int(timeout)))
+    for h, out in run.each():
+        ops.print_command(h.name, out)
+    return run.recap
 
 
 @servops_task(help={"json": "Print JSON lines for machines.", "last": "Only the last N entries (default: all)."})
@@ -427,8 +475,6 @@ def history(c, json=False, last=0, hosts=None, inventory=None):
 
     Deploys, rollbacks (automatic or not, and why), patch apply/revert, stops, guard actions and
     tune trials: who (local user and machine), when, what, and the outcome."""
-    import json as jsonlib
-
     from servops import ops
 
     run = on_hosts(inventory, hosts, lambda hs: ops.history(hs, last))
@@ -436,17 +482,33 @@ def history(c, json=False, last=0, hosts=None, inventory=None):
     for h, entries in run.each():
         if json:
             for e in entries:
-                print(jsonlib.dumps(dict(e, host=h.name), sort_keys=True))
+                print(json_text(dict(e, host=h.name), sort_keys=True))
         else:
             ops.print_history(h.name, entries)
     return run.recap
 
 
-@servops_task(name="releases")
-def releases_(c, hosts=None, inventory=None):
-    """List the releases on each host: variant, status, patches, which is current."""
-    from servops import ops
+@servops_task(name="releases", help={
+    "pin": "Pin this release (a name from the listing): never pruned, whatever keep_releases says.",
+    "unpin": "Unpin this release (with --why: only that reason).",
+    "why": "The reason shown for a pin (default: pinned by hand).",
+})
+def releases_(c, pin="", unpin="", why="", hosts=None, inventory=None):
+    """List the releases on each host: variant, status, patches, and why each is kept.
 
+    Never pruned: the current release, the previous healthy one, the release current when a
+    campaign started, a campaign's base and best, and any release pinned with --pin."""
+    from servops import ops
+    from servops.errors import ServopsError
+
+    if pin and unpin:
+        raise ServopsError("give --pin or --unpin, not both")
+    if pin or unpin:
+        if not hosts:
+            from servops.cli import require_hosts
+
+            require_hosts("releases --pin", inventory)
+        return on_hosts(inventory, hosts, lambda hs: ops.pin(hs, pin or unpin, why or None, bool(unpin))).recap
     run = on_hosts(inventory, hosts, ops.list_releases)
     ops.print_releases({h.name: listing for h, listing in run.each()})
     return run.recap
@@ -465,7 +527,7 @@ def releases_(c, hosts=None, inventory=None):
 }, bounds={"context": (0, 200)})
 def diagnose(c, release="", log="", offline=False, json=False, explain=False, context=3, allow_outside=False,
              hosts=None, inventory=None):
-    """Explain crashes: failures in the log, each frame's host source, known issues. Exit 0 matched or clean, 1 unexplained errors."""
+    """Explain crashes: failures in the log, each frame's host source, known issues. Exit 0 matched or clean, 1 unexplained errors or a server that died."""
     from invoke import Exit
 
     from servops import diagnose as dg
@@ -474,6 +536,20 @@ def diagnose(c, release="", log="", offline=False, json=False, explain=False, co
                   allow_outside=allow_outside, hosts=hosts, inventory=inventory)
     if code:
         raise Exit(code=code)
+
+
+@servops_task
+def disconnect(c, hosts=None, inventory=None):
+    """End the persistent SSH connections (connection agents) to the hosts, like `ssh -O exit`."""
+    from servops import connagent
+
+    inv, targets = select(inventory, hosts)
+    run = VerbRun(inv, targets)
+    for h in targets:
+        pids = connagent.disconnect(h)
+        run.recap.mark(h.name, CHANGED if pids else OK, f"closed (agent pid {', '.join(map(str, pids))})" if pids
+                       else "no persistent connection")
+    return run.recap
 
 
 @servops_task(name="up")
@@ -506,12 +582,14 @@ def lab_down(c, hosts=None, inventory=None):
     return run.recap
 
 
-@servops_task(name="run", positional=["campaign"], help={
+@servops_task(name="run", positional=["campaign"], changes="tune", help={
     "campaign": "Campaign name (campaigns/<name>.yml) or a path to one.",
     "resume": "Continue a campaign that was interrupted: finished trials are not repeated.",
     "restart": "Start over: the campaign's earlier trials.jsonl is moved aside.",
+    "verbose": "Also print what each deploy and bench prints (phase lines, the health wait, crash excerpts).",
 })
-def tune_run(c, campaign, resume=False, restart=False, dry_run=False, hosts=None, inventory=None):
+def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=False, hosts=None,  # noqa: D417
+             inventory=None):
     """Run a tuning campaign on one host: deploy, bench, diagnose each trial; resumable.
 
     Every trial is journaled here and on the host; a crash whose known issue names a patch is
@@ -533,8 +611,12 @@ def tune_run(c, campaign, resume=False, restart=False, dry_run=False, hosts=None
         return run.recap
     if restart:
         tune.archive_log(host.name, camp.name)
-    run = on_hosts(inventory, host.name, lambda hs: (lambda s: (
-        CHANGED, f"winner {s['winner'] or 'none'}; log {s['log']}", s))(tune.run_campaign(hs, camp, resume)))
+    def finished(s: dict) -> tuple:
+        if not s["changed"]:  # --resume of a campaign that had finished: nothing ran now
+            return OK, f"campaign finished earlier (winner {s['winner'] or 'none'}); deployed now: {s['current']}", s
+        return CHANGED, f"winner {s['winner'] or 'none'}, deployed: {s['current']}; log {s['log']}", s
+
+    run = on_hosts(inventory, host.name, lambda hs: finished(tune.run_campaign(hs, camp, resume, verbose)))
     return run.recap
 
 
@@ -559,5 +641,5 @@ tune_ns.add_task(tune_run, default=True)
 tune_ns.add_task(tune_report)
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
-ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, releases_, metrics, bench, compare,
-                diagnose, history, check, patch_ns, tune_ns)
+ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, start, restart, run_, releases_, metrics,
+                bench, compare, diagnose, history, check, disconnect, patch_ns, tune_ns)

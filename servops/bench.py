@@ -22,12 +22,14 @@ import random
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import localfiles, releases
 from .errors import RemoteError, ServopsError
-from .output import console, err_console, is_tty, print_table, table
+from .output import console, err_console, is_tty, json_text, print_table, table
 from .provenance import git_sha
+from .redact import redact_values
+from .remote import jsonl
 from .remote_exec import run_program
 from .transport import HostSession
 
@@ -37,6 +39,13 @@ DATASETS = ("random", "random-ids", "sharegpt", "prompts")
 SLO_METRICS = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2el", "e2e": "e2el"}
 MAX_DATASET_BYTES = 256 << 20
 MAX_DATASET_ROWS = 50_000
+# Bounds on what a bench may ask for (flags and campaign files alike): far above any real run
+# (bench_serving defaults to 1,000 prompts; contexts are at most ~1M tokens), far below what would
+# exhaust the host's memory or run for years.
+MAX_CONCURRENCY = 100_000
+MAX_REQUESTS = 1_000_000       # per level; warmup requests too
+MAX_TOKENS = 1 << 20           # input_len / output_len
+MAX_REPEAT = 100
 
 # Summary metrics that repeats average (with a 95% interval); the gate may name any of them.
 STAT_NAMES = ("mean", "p50", "std", "p90", "p95", "p99")
@@ -59,7 +68,33 @@ def parse_levels(spec: str) -> list[int]:
         raise BenchError(f"--levels {spec!r}: expected comma-separated integers like 1,10,256,1024") from None
     if not levels or any(lv < 1 for lv in levels):
         raise BenchError(f"--levels {spec!r}: each level must be 1 or more")
+    if any(lv > MAX_CONCURRENCY for lv in levels):
+        raise BenchError(f"--levels {spec!r}: each level must be {MAX_CONCURRENCY:,} or less")
     return levels
+
+
+def check_counts(requests: int = 0, input_len: int = 1, output_len: int = 0, warmup: int | None = None,
+                 repeat: int = 1) -> None:
+    """Bench sizes within bounds (see MAX_REQUESTS): one line naming the flag."""
+    for flag, value, low, high in (("requests", requests, 0, MAX_REQUESTS), ("input-len", input_len, 1, MAX_TOKENS),
+                                   ("output-len", output_len, 0, MAX_TOKENS), ("warmup", warmup or 0, 0, MAX_REQUESTS),
+                                   ("repeat", repeat, 1, MAX_REPEAT)):
+        if not low <= value <= high:
+            raise BenchError(f"--{flag} {value}: must be {low} to {high:,}")
+
+
+def parse_warmup(spec) -> int | None:
+    """--warmup: auto (None: adaptive, until the server's TTFT settles), 0 (none) or N requests."""
+    text = str(spec).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise BenchError(f"--warmup {spec!r}: expected auto (warm up until TTFT settles), 0 (none) or a number "
+                         f"of requests") from None
+    check_counts(warmup=value)
+    return value
 
 
 def parse_rate(spec) -> float | None:
@@ -120,7 +155,7 @@ def load_dataset(spec: str = "random", path: str = "", seed: int = 42) -> dict |
     if p.stat().st_size > MAX_DATASET_BYTES:
         raise BenchError(f"--dataset-path {path}: {p.stat().st_size >> 20} MiB; at most {MAX_DATASET_BYTES >> 20} MiB "
                          "(sample it down first)")
-    text = p.read_text(errors="replace")
+    text = p.read_text(encoding="utf-8", errors="replace")
     kind = spec or ("sharegpt" if text.lstrip().startswith("[") else "prompts")
     rows = _sharegpt_rows(text, path) if kind == "sharegpt" else _prompt_rows(text, path)
     if not rows:
@@ -172,17 +207,20 @@ def _prompt_rows(text: str, path: str) -> list:
 
 def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: int = 128, output_len: int = 128,
               dataset: dict | None = None, *, request_rate: float | None = None, burstiness: float = 1.0,
-              warmup: int = 1, flush_cache: bool = True, seed: int = 42, range_ratio: float = 1.0,
-              tokenizer: str | None = None, slo: dict | None = None, repeat: int = 1) -> dict:
+              warmup: int | None = None, flush_cache: bool = True, seed: int = 42, range_ratio: float = 1.0,
+              tokenizer: str | None = None, slo: dict | None = None, repeat: int = 1,
+              keep_text: bool = False) -> dict:
     """Run the load generator on the host against the current server; save and return the result.
 
     levels: the concurrency of each level (with a request rate: its concurrency cap).
-    output_len 0: 128, or for sharegpt each conversation's answer length."""
-    if any(int(lv) < 1 for lv in levels) or not levels:
-        raise BenchError(f"levels {levels}: each level must be 1 or more")
-    if requests < 0 or repeat < 1 or warmup < 0 or input_len < 1 or output_len < 0 or burstiness <= 0:
-        raise BenchError("bench: requests, warmup and output length must be 0 or more; repeat, input length and "
-                         "burstiness more than 0")
+    output_len 0: 128, or for sharegpt each conversation's answer length.
+    warmup: None adaptive (each level warmed until its TTFT settles), 0 none, N requests.
+    keep_text: keep each request's whole generated text (else its first 1,000 characters)."""
+    if not levels or any(not 1 <= int(lv) <= MAX_CONCURRENCY for lv in levels):
+        raise BenchError(f"levels {levels}: each level must be 1 to {MAX_CONCURRENCY:,}")
+    check_counts(requests, input_len, output_len, warmup, repeat)
+    if burstiness <= 0:
+        raise BenchError(f"--burstiness {burstiness}: must be more than 0")
     if not 0.0 <= range_ratio <= 1.0:
         raise BenchError(f"--range-ratio {range_ratio}: must be between 0 and 1")
     state = releases.ctl(hs, "status")
@@ -194,8 +232,8 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
     args = {"port": int(state["server"].get("port") or hs.host.require("server_port")), "levels": [int(x) for x in levels],
             "requests": int(requests), "input_len": int(input_len), "output_len": int(out_len),
             "dataset": dataset or {"kind": "random"}, "request_rate": request_rate, "burstiness": float(burstiness),
-            "warmup": int(warmup), "flush_cache": bool(flush_cache), "seed": int(seed), "range_ratio": float(range_ratio),
-            "tokenizer": tokenizer or None, "slo": slo or None, "repeat": int(repeat)}
+            "warmup": None if warmup is None else int(warmup), "flush_cache": bool(flush_cache), "seed": int(seed), "range_ratio": float(range_ratio),
+            "tokenizer": tokenizer or None, "slo": slo or None, "repeat": int(repeat), "keep_text": bool(keep_text)}
     config = {k: v for k, v in args.items() if k != "dataset"}
     config["request_rate"] = "inf" if request_rate is None else request_rate
     config["dataset"] = {"kind": kind, **({"path": dataset["path"], "rows": len(dataset["rows"])} if dataset and "rows" in dataset else {})}
@@ -213,15 +251,21 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
             progress(p)
             return
         hs.redactor.learn(p["record"].get("server_info"))  # its api_key, repeated in launch_command
-        line = _redact(p["record"], hs.redactor)
+        line = redact_values(p["record"], hs.redactor)
         line["server_info"] = _mask_secret_keys(line.get("server_info"))
-        line["servops"] = dict(_redact(meta, hs.redactor), **line["servops"])
+        line["servops"] = dict(redact_values(meta, hs.redactor), **line["servops"])
         _add_server_quantiles(line["servops"].get("server_metrics"))
-        localfiles.append_text(path, json.dumps(line) + "\n")
         lines += 1
         run = run_summary(line)
         result["runs"].append(run)
         progress.level_done(run)
+        if not result.get("save_error"):
+            # a full or read-only local disk is the operator's problem to fix, not the host's: the
+            # bench goes on, its numbers are printed, and the save failure is named at the end
+            try:
+                localfiles.append_text(path, json_text(line) + "\n")
+            except OSError as exc:
+                result["save_error"] = f"cannot write {path}: {exc.strerror or exc}"
 
     try:
         res = run_program(hs, "loadgen", args, timeout=24 * 3600, on_progress=on_progress)
@@ -235,6 +279,9 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
     if not lines:
         raise BenchError(f"{hs.host.name}: the load generator finished without a result")
     finish(result, expected_levels=levels, repeat=repeat)
+    if result.get("save_error"):
+        print_result(result)  # the measured numbers, before saying they could not be kept
+        raise BenchError(f"{hs.host.name}: {result['save_error']}; the numbers above were measured but not saved")
     return result
 
 
@@ -253,8 +300,12 @@ def finish(result: dict, expected_levels: list[int] | None = None, repeat: int =
             warnings.append(f"level {r['concurrency']}: the server refused /flush_cache "
                             f"({flush.get('status') or 'no answer'}: {(flush.get('message') or '').strip()[:120]}); "
                             "the prefix cache was not flushed")
-        if r.get("warmup", {}).get("error"):
-            warnings.append(f"level {r['concurrency']}: warmup failed ({r['warmup']['error'][:160]}); level not run")
+        warm = r.get("warmup") or {}
+        if warm.get("error"):
+            warnings.append(f"level {r['concurrency']}: warmup failed ({warm['error'][:160]}); level not run")
+        elif warm.get("converged") is False:
+            warnings.append(f"level {r['concurrency']}: the warm-up did not settle ({warm.get('why')}; mean TTFT per "
+                            f"wave {warm_ttfts(warm)} ms): its first requests may still pay for compilation")
     units = {r.get("input_len_unit") for r in runs}
     if "words" in units:
         warnings.append("--input-len counted in words (no --tokenizer); the server's own prompt token counts "
@@ -267,25 +318,16 @@ def finish(result: dict, expected_levels: list[int] | None = None, repeat: int =
 def new_result_path(host: str, release: str | None) -> Path:
     # `release` is what the host says is current: a directory name here only when it is a release name
     d = RESULTS_ROOT / host / (release if releases.RELEASE_NAME_RE.fullmatch(release or "") else "unknown")
-    d.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path, n = d / f"{stamp}.jsonl", 1
-    while os.path.lexists(path.with_suffix(".json")) or not localfiles.create_new(path):
-        n += 1
-        path = d / f"{stamp}-{n}.jsonl"
+    try:
+        localfiles.private_dir(d)
+        while os.path.lexists(path.with_suffix(".json")) or not localfiles.create_new(path):
+            n += 1
+            path = d / f"{stamp}-{n}.jsonl"
+    except OSError as exc:
+        raise BenchError(f"cannot create a result file in {d}: {exc.strerror or exc}; nothing was run") from None
     return path
-
-
-def _redact(obj: Any, redactor: Callable[[str], str]) -> Any:
-    if isinstance(obj, str):
-        return redactor(obj)
-    if isinstance(obj, dict):
-        return {k: _redact(v, redactor) for k, v in obj.items()}
-    if isinstance(obj, list):
-        if obj and not isinstance(obj[0], (str, dict, list)):
-            return obj  # numbers: nothing to mask
-        return [_redact(v, redactor) for v in obj]
-    return obj
 
 
 def _mask_secret_keys(obj: Any) -> Any:
@@ -331,7 +373,8 @@ def run_summary(line: dict) -> dict:
            "error_rate": failed / requests if requests else 0.0, "errors": s.get("errors") or {},
            "goodput": line.get("slo_attainment"), "request_goodput": line.get("request_goodput"),
            "slo_attainment_by_metric": line.get("slo_attainment_by_metric"), "slo": line.get("goodput_slos_ms"),
-           "warmup": s.get("warmup") or {}, "flush_cache": s.get("flush_cache") or {},
+           "warmup": s["warmup"] if isinstance(s.get("warmup"), dict) else {},
+           "flush_cache": s.get("flush_cache") or {},
            "input_len_unit": s.get("input_len_unit"), "sglang_version": s.get("sglang_version"),
            "stopped": s.get("stopped")}
     names = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2e": "e2e_latency"}
@@ -430,11 +473,25 @@ def aggregate(runs: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------ saved results
 
+def _read_regular(path: Path, first_line: bool = False) -> str | None:
+    """A results file's text (or its first line); None when it cannot be read. A FIFO, a
+    directory or a symlink there is one line naming it: reading a FIFO would hang."""
+    try:
+        if not first_line:
+            data = jsonl.read_regular(str(path))
+            return None if data is None else data.decode("utf-8", "replace")
+        with os.fdopen(jsonl.open_regular(str(path), os.O_RDONLY), "r", encoding="utf-8", errors="replace") as fh:
+            return fh.readline()
+    except jsonl.FileProblem as exc:
+        raise BenchError(str(exc)) from None
+    except OSError:
+        return None
+
+
 def load_result(path: Path) -> dict | None:
     """A saved result: a .jsonl file (bench_serving lines with a servops block) or an old .json."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
+    text = _read_regular(path)
+    if text is None:
         return None
     if path.suffix == ".json":
         try:
@@ -471,11 +528,10 @@ def load_result(path: Path) -> dict | None:
 
 def _variant_of(path: Path) -> str | None:
     """The variant a saved result belongs to, from its first line (no full parse)."""
+    first = _read_regular(path, first_line=path.suffix == ".jsonl")
     try:
-        with open(path, errors="replace") as fh:
-            first = fh.readline() if path.suffix == ".jsonl" else fh.read()
-        data = json.loads(first)
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(first or "")
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -536,9 +592,10 @@ class _progress:
 
     def level_done(self, run: dict) -> None:
         self.finished += 1
+        warm = warmup_text(run["warmup"])
         msg = (f"{self.host}: level {run['concurrency']} [{self.finished}/{self.total_runs}]: "
                f"{run['completed']}/{run['requests']} ok in {run['duration_s']:.1f}s, "
-               f"{run['output_tps']:.1f} output tok/s")
+               f"{run['output_tps']:.1f} output tok/s" + (f" ({warm})" if warm else ""))
         if self._bar:
             self._bar.console.print(msg, markup=False, highlight=False)
         else:
@@ -547,6 +604,21 @@ class _progress:
     def close(self) -> None:
         if self._bar:
             self._bar.stop()
+
+
+def warm_ttfts(warm: dict) -> str:
+    """Each warm-up wave's mean TTFT: '419 -> 15 -> 14'."""
+    return " -> ".join(f"{w.get('ttft_mean_ms') or 0:.0f}" for w in warm.get("waves") or [] if isinstance(w, dict))
+
+
+def warmup_text(warm: dict) -> str:
+    """What a level's warm-up did, in a few words ('' when there was none)."""
+    if not warm.get("requests"):
+        return ""
+    if warm.get("mode") == "fixed":
+        return f"warm-up {warm['requests']} request{'s' if warm['requests'] > 1 else ''}"
+    state = "settled" if warm.get("converged") else "did NOT settle"
+    return f"warm-up {len(warm.get('waves') or [])} waves, {warm['requests']} requests, TTFT {warm_ttfts(warm)} ms: {state}"
 
 
 def _f(v, digits=1):
@@ -596,4 +668,5 @@ def print_result(result: dict) -> None:
             console.print(f"level {lv['concurrency']}: {n} failed: {msg[:200]}", markup=False, highlight=False)
     for w in result.get("warnings") or []:
         console.print(f"note: {w}", markup=False, highlight=False)
-    console.print(f"saved {result['path']}", markup=False, highlight=False)
+    if not result.get("save_error"):
+        console.print(f"saved {result['path']}", markup=False, highlight=False)

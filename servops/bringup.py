@@ -45,20 +45,31 @@ class Node:
     extra: dict = field(default_factory=dict)
 
 
+def lease_command(release_dir: str, counter: int) -> str:
+    """Bump the guard's lease: the counter's new value replaces <release>/lease by rename (a
+    symlink planted there is replaced, never followed; noclobber refuses one at the temp name).
+    The guard judges it on its own monotonic clock, so no wall clock is compared anywhere."""
+    tmp = f".lease.{counter}.$$"
+    return (f"cd -- {shell.quote(release_dir)} && set -C && printf '%s\\n' {int(counter)} > {tmp} "
+            f"&& mv -f -- {tmp} lease")
+
+
 class LeaseKeeper:
-    """Renews the guard's lease (touch of <release>/lease) from a thread while the deploy runs."""
+    """Bumps the guard's lease counter (<release>/lease) from a thread while the deploy runs."""
 
     def __init__(self, nodes: list[Node], every: float):
         self.nodes = [n for n in nodes if n.guard]
         self.every = every
+        self.counter = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="servops-lease", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
+            self.counter += 1
             for n in self.nodes:
                 try:
-                    n.hs.run(f"touch -c -- {shell.quote(n.root + '/releases/' + n.name + '/lease')}", timeout=20)
+                    n.hs.run(lease_command(f"{n.root}/releases/{n.name}", self.counter), timeout=20)
                 except Exception:  # noqa: BLE001 - a missed renewal is what the guard is for
                     pass
 
@@ -73,20 +84,32 @@ class LeaseKeeper:
             self._thread.join(timeout=30)
 
 
-def stop_switch_start(nodes: list[Node], phases: Phases) -> None:
+def stop_switch_start(nodes: list[Node], phases: Phases, owner: dict | None = None) -> None:
     """Stop what runs, point `current` at each node's release, start rank 0 first. One SSH command
     per node for a single-node server: a controller that dies mid-way leaves the host program to
-    finish the step, and a deploy's guard (armed with the release) to judge the result."""
+    finish the step, and a deploy's guard (armed with the release) to judge the result.
+
+    `owner` ({"name": release, "id": lock id}): the batch goes ahead only while that release's
+    decision is not the host guard's (a controller frozen past its lease must not restart what
+    the guard already took over). The release's patch set is verified before anything stops."""
     single = len(nodes) == 1
     for n in nodes:
         grace = float(n.meta.get("stop_grace", 30))
-        steps = [{"op": "stop", "grace": grace, "restart_of": n.name,
-                  "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
-                 {"op": "switch", "name": n.name}]
+        steps = [{"op": "owns", **owner}] if owner else []
+        steps += [{"op": "verify_patches", "name": n.name},
+                  {"op": "stop", "grace": grace, "restart_of": n.name,
+                   "journal": {"action": "server.stop", "why": f"restart onto {n.name}"}},
+                  {"op": "switch", "name": n.name}]
         if single:
             steps.append({"op": "start", "name": n.name, "port": int(n.meta["port"])})
-        phases.step("stop", f"{n.hs.host.name}: stopping the running server (grace {grace:g}s)")
-        releases.batch(n.hs, *steps, ssh_timeout=int(grace) + 60)
+        running = n.extra.get("server")  # as the lock's listing saw it
+        if running:
+            phases.step("stop", f"{n.hs.host.name}: stopping pid {running['pid']} ({running.get('release')}), "
+                                f"grace {grace:g}s")
+        results = releases.batch(n.hs, *steps, ssh_timeout=int(grace) + 90)
+        stopped = next(r for r in results if "stopped" in r)
+        for line in stop_lines(stopped):
+            phases.step("stop", f"{n.hs.host.name}: {line}")
         if single:
             phases.step("start", f"{n.hs.host.name}: started {n.name}")
     if not single:
@@ -109,10 +132,31 @@ def health_gate(node: Node, phases: Phases, label: str) -> dict:
     return outcome
 
 
-def bring_up(nodes: list[Node], phases: Phases, label: str) -> dict:
+def stop_lines(res: dict) -> list[str]:
+    """What a host-side stop did, beyond the plain case (the leader gone on SIGTERM): processes
+    that needed SIGKILL, escapees, a port still held, GPU memory still held."""
+    lines = []
+    procs = res.get("processes") or []
+    killed = [p for p in procs if p["signal"] == "SIGKILL"]
+    if len(procs) > 1 or killed:
+        lines.append(f"ended {len(procs)} process(es) of {res.get('release')}: "
+                     + ", ".join(f"{p['pid']} {p['name']}" + (" (SIGKILL)" if p['signal'] == "SIGKILL" else "")
+                                 + (" (had left the server's session)" if p.get("escaped") else "")
+                                 for p in procs[:12]) + (", ..." if len(procs) > 12 else ""))
+    if res.get("port") and res.get("port_free") is False:
+        lines.append(f"port {res['port']} is still held by pid(s) {', '.join(map(str, res.get('port_holders') or []))}"
+                     f", not a process of this deploy root")
+    gpu = res.get("gpu") or {}
+    for app in gpu.get("others") or []:
+        lines.append(f"GPU memory still held by pid {app['pid']} ({app['name']}, {app['used_mib']} MiB), not a "
+                     f"process of this deploy root")
+    return lines
+
+
+def bring_up(nodes: list[Node], phases: Phases, label: str, owner: dict | None = None) -> dict:
     """Stop, switch, start, health-gate rank 0; other ranks of a multi-node server have no HTTP
     endpoint of their own and must merely still be running."""
-    stop_switch_start(nodes, phases)
+    stop_switch_start(nodes, phases, owner)
     outcome = health_gate(nodes[0], phases, label)
     if outcome["state"] == "healthy":
         for n in nodes[1:]:

@@ -15,6 +15,7 @@
     objective:
       maximize: output_tps@1024           # or minimize: p99_ttft_ms@256
       constraints: ["p99_ttft_ms@256 <= 2000", "failed == 0"]
+      min_gain: 2%                        # a smaller difference is a tie (default: the base's noise)
     budget: {max_trials: 20, max_wall_time: 12h}
     auto_patch: true                      # a crash whose known issue names a patch: retry once with it
     leave: best                           # or base
@@ -34,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from . import gate as gatemod
-from .bench import DATASETS, parse_slo
-from .errors import ServopsError
+from .bench import DATASETS, MAX_CONCURRENCY, MAX_REPEAT, MAX_REQUESTS, MAX_TOKENS, parse_slo
+from .errors import ServopsError, did_you_mean
 from .playbooks import load_variant
-from .schema import ENV_NAME, FLAG, NAME, Field, load_mapping
+from .schema import ENV_NAME, FLAG, NAME, Field, load_mapping, parse_duration, seconds
 
 CAMPAIGN_ROOT = Path(os.environ.get("SERVOPS_CAMPAIGNS") or Path(__file__).resolve().parent.parent / "campaigns")
 
@@ -49,23 +50,28 @@ class CampaignError(ServopsError):
     pass
 
 
-def parse_duration(value: Any) -> str | None:
-    """'90m', '6h', '1h30m', '45s' or a number of seconds -> an error message, or None when valid."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return None
-    if isinstance(value, str) and re.fullmatch(r"\s*(\d+(\.\d+)?\s*[hms]\s*)+", value):
-        return None
-    return "expected a duration like 90m, 6h, 1h30m or seconds"
-
-
-def seconds(value: Any) -> float:
-    if isinstance(value, (int, float)):
-        return float(value)
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, _f, u in re.findall(r"(\d+(\.\d+)?)\s*([hms])", value))
-
-
 def _levels_ok(value: Any) -> str | None:
     return None if value else "give at least one level"
+
+
+def _warmup_ok(value: Any) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_REQUESTS):
+        return None
+    return f"expected auto (warm up until TTFT settles), 0 (none) or a number of requests up to {MAX_REQUESTS:,}"
+
+
+def parse_gain(value: Any) -> float | None:
+    """objective.min_gain: '2%' or a fraction (0.02) -> the fraction; None when not valid."""
+    text = str(value).strip()
+    try:
+        gain = float(text[:-1]) / 100.0 if text.endswith("%") else float(text)
+    except ValueError:
+        return None
+    return gain if not isinstance(value, bool) and 0 <= gain < 1 else None
+
+
+def _gain_ok(value: Any) -> str | None:
+    return None if parse_gain(value) is not None else "expected a share like 2% (or 0.02), from 0 to below 100%"
 
 
 _SCALAR_OR_LIST = Field("any", nullable=True)
@@ -80,12 +86,14 @@ CANDIDATE = {
         "server_args": Field("map", keys=FLAG, keys_what="a flag name", items=_GRID_VALUES),
         "env": Field("map", keys=ENV_NAME, keys_what="an environment variable name", items=_GRID_VALUES)}),
 }
-BENCH = {
-    "levels": Field("list", items=Field("int", 1, 1_000_000, what="a concurrency (1 or more)"), check=_levels_ok),
-    "requests": Field("int", 0), "input_len": Field("int", 1), "output_len": Field("int", 0),
+BENCH = {  # the same bounds as bench's flags
+    "levels": Field("list", items=Field("int", 1, MAX_CONCURRENCY), check=_levels_ok),
+    "requests": Field("int", 0, MAX_REQUESTS), "input_len": Field("int", 1, MAX_TOKENS),
+    "output_len": Field("int", 0, MAX_TOKENS),
     "dataset": Field("str", pattern=re.compile("|".join(DATASETS)), what=" / ".join(DATASETS)),
-    "dataset_path": Field("path"), "slo": Field("str"), "repeat": Field("int", 1, 100), "warmup": Field("int", 0),
-    "request_rate": Field("number", low=0.001), "seed": Field("int", 0), "range_ratio": Field("number", 0, 1),
+    "dataset_path": Field("path"), "slo": Field("str"), "repeat": Field("int", 1, MAX_REPEAT),
+    "warmup": Field("any", check=_warmup_ok), "request_rate": Field("number", low=0.001, high=1e9),
+    "seed": Field("int", 0, 2**63 - 1), "range_ratio": Field("number", 0, 1),
 }
 CAMPAIGN = {
     "description": Field("any", nullable=True),
@@ -94,7 +102,8 @@ CAMPAIGN = {
     "candidates": Field("list", items=Field("record", fields=CANDIDATE)),
     "bench": Field("record", fields=BENCH),
     "objective": Field("record", fields={
-        "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str"))}),
+        "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str")),
+        "min_gain": Field("any", check=_gain_ok)}),
     "budget": Field("record", fields={
         "max_trials": Field("int", 1, MAX_TRIALS),
         "max_wall_time": Field("any", check=parse_duration)}),
@@ -146,6 +155,7 @@ class Campaign:
     bench: dict
     objective: Objective
     constraints: list
+    min_gain: float | None          # None: the base's measured noise band (see tune.min_gain)
     max_trials: int | None
     max_wall_s: float | None
     auto_patch: bool
@@ -300,8 +310,9 @@ def load_campaign(name_or_path: str) -> Campaign:
             raise CampaignError(f"campaign {name_or_path!r}: give a name under campaigns/ or a .yml path")
         path = CAMPAIGN_ROOT / f"{name_or_path}.yml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CAMPAIGN_ROOT.glob("*.yml"))) or "none"
-        raise CampaignError(f"campaign {name_or_path!r}: no {path} (known: {known})")
+        names = sorted(p.stem for p in CAMPAIGN_ROOT.glob("*.yml"))
+        raise CampaignError(f"campaign {name_or_path!r}: no {path}{did_you_mean(name_or_path, names)} (known: "
+                            f"{', '.join(names) or 'none'})")
     data = load_mapping(path, CAMPAIGN, CampaignError)
     for key in ("base", "bench", "objective"):
         if key not in data:
@@ -329,7 +340,9 @@ def load_campaign(name_or_path: str) -> Campaign:
         raise CampaignError(text if text.startswith(f"{path}: ") else f"{path}: {text}") from None
     budget = data.get("budget") or {}
     return Campaign(name=name, path=path, data=data, base=data["base"], trials=trials, bench=bench,
-                    objective=objective, constraints=constraints, max_trials=budget.get("max_trials"),
+                    objective=objective, constraints=constraints,
+                    min_gain=parse_gain(data["objective"]["min_gain"]) if "min_gain" in data["objective"] else None,
+                    max_trials=budget.get("max_trials"),
                     max_wall_s=seconds(budget["max_wall_time"]) if budget.get("max_wall_time") else None,
                     auto_patch=bool(data.get("auto_patch", False)), leave=data.get("leave", "best"),
                     drift_after_s=seconds(data["drift_check_after"]) if data.get("drift_check_after") else None)

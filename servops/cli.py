@@ -11,9 +11,9 @@ from invoke import Exit, Task
 from invoke.parser.context import ParserContext
 
 from . import interrupt
-from .errors import ServopsError
+from .errors import NoData, ServopsError
 from .inventory import Host, Inventory, load_inventory
-from .output import Recap, err_console, safe_streams
+from .output import EXIT_ATTENTION, EXIT_INTERRUPTED, FAILED, SKIPPED, Recap, err_console, safe_streams
 
 # Flags shared by every task, with the spellings Ansible users already know.
 SHORT_FLAGS = {
@@ -24,10 +24,11 @@ SHORT_FLAGS = {
 }
 
 COMMON_HELP = {
-    "hosts": "Host or group names from the inventory, comma-separated (default: all).",
+    "hosts": "Host or group names from the inventory, comma-separated (default: $SERVOPS_HOSTS, else all).",
     "inventory": "Inventory YAML file (default: $SERVOPS_INVENTORY or inventory/lab.yml).",
     "dry_run": "Check mode: report what would change; change nothing on the host.",
     "diff": "Show the changes (unified diff) that are, or in check mode would be, made.",
+    "no_persist": "Connect afresh and leave no connection agent behind (default: the host's persist, 10m).",
 }
 
 
@@ -96,13 +97,30 @@ class ServopsTask(Task):
         return opts
 
 
-def servops_task(*args, help=None, bounds=None, **kwargs):
+HOSTS_ENV = "SERVOPS_HOSTS"
+
+
+def require_hosts(verb: str, inventory: str | None) -> None:
+    """A verb that changes hosts never defaults to every host: one line naming what it would
+    have touched (bad input: exit 2, nothing touched)."""
+    inv = load_inventory(inventory)
+    names = [h.name for h in inv.select(None)]
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    raise ServopsError(f"{verb} changes hosts: name them with -H (a host, a group, or all) or ${HOSTS_ENV}; "
+                       f"it would have touched {shown} ({inv.path})")
+
+
+def servops_task(*args, help=None, bounds=None, changes: str | None = None, **kwargs):
     """@task with shared help for common flags, one-line errors instead of tracebacks, and
     the per-host recap printed for every verb that returns one.
 
     Numeric flags (an int or float default) are 0 or more unless `bounds` gives
-    {flag: (low, high)} (None: unbounded)."""
+    {flag: (low, high)} (None: unbounded). `changes`: the verb changes hosts (its name as the
+    user types it), so -H is required (or $SERVOPS_HOSTS); read-only verbs default to all."""
     merged_help = dict(COMMON_HELP)
+    if changes:
+        merged_help["hosts"] = ("Host or group names from the inventory, comma-separated, or all: required (this "
+                                f"verb changes hosts), or ${HOSTS_ENV}.")
     merged_help.update(help or {})
 
     def decorate(fn):
@@ -118,7 +136,13 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
                 return run(c, *a, **kw)
 
         def run(c, *a, **kw):
+            if kw.pop("no_persist", False):  # read by servops.connagent (SERVOPS_PERSIST overrides `persist`)
+                os.environ["SERVOPS_PERSIST"] = "0"
             try:
+                if "hosts" in kw and not kw["hosts"]:
+                    kw["hosts"] = os.environ.get(HOSTS_ENV) or None
+                    if kw["hosts"] is None and changes:
+                        require_hosts(changes, kw.get("inventory"))
                 for name, (kind, (low, high)) in numeric.items():
                     if name in kw:
                         text_kind = IntText if kind is int else FloatText
@@ -129,7 +153,7 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
                 raise Exit(code=exc.exit_code) from None
             except KeyboardInterrupt:
                 err_console.print("interrupted", markup=False)
-                raise Exit(code=130) from None
+                raise Exit(code=EXIT_INTERRUPTED) from None
             except Exit:
                 raise
             except Exception as exc:
@@ -139,20 +163,25 @@ def servops_task(*args, help=None, bounds=None, **kwargs):
                     raise
                 text = " ".join(f"{type(exc).__name__}: {exc}".split())
                 text = text if len(text) <= 500 else text[:500] + " ..."
-                err_console.print(f"error: unexpected data ({text}); a host's reply or a local file is not what "
-                                  f"servops wrote (SERVOPS_DEBUG=1 shows the traceback)", markup=False,
-                                  highlight=False, style="bold red")
-                raise Exit(code=1) from None
+                err_console.print(f"error: unexpected error ({text}): a host's reply or a local file servops did "
+                                  f"not expect, or a servops bug (SERVOPS_DEBUG=1 shows the traceback); check the "
+                                  f"host with invoke status", markup=False, highlight=False, style="bold red")
+                raise Exit(code=EXIT_ATTENTION) from None
             if isinstance(result, Recap):
                 result.render()
                 if interrupt.requested():
-                    raise Exit(code=130)
+                    raise Exit(code=EXIT_INTERRUPTED)
                 if result.failed:
                     raise Exit(code=result.exit_code)
                 return None
             return result
 
         params = [p for p in _inspect.signature(fn).parameters]
+        if "hosts" in params:  # a verb that may connect: --no-persist too
+            sig = _inspect.signature(fn)
+            wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), _inspect.Parameter(
+                "no_persist", _inspect.Parameter.KEYWORD_ONLY, default=False)])
+            params.append("no_persist")
         help_for = {k: v for k, v in merged_help.items() if k in params}
         return ServopsTask(wrapper, help=help_for, **kwargs)
 
@@ -198,15 +227,19 @@ class VerbRun:
             run_on_groups(session, groups or [[h] for h in self.targets], wrapped, self.recap, **fleet_kwargs)
         return self
 
-    def local(self, op: Callable[[Host], tuple]) -> "VerbRun":
+    def local(self, op: Callable[[Host], tuple], explicit: bool = True) -> "VerbRun":
         """For verbs that read only local files (results/): op(host) per host, no connection;
-        a failure is that host's failed line."""
+        a failure is that host's failed line. Not `explicit` (no -H: every host), a host with no
+        data here is skipped, saying so, rather than failed."""
         self.recap.expect([h.name for h in self.targets])
         for host in self.targets:
             try:
                 status, message, *data = op(host)
+            except (NoData, FileNotFoundError) as exc:
+                self.recap.mark(host.name, FAILED if explicit else SKIPPED, str(exc))
+                continue
             except (ServopsError, OSError, ValueError) as exc:
-                self.recap.mark(host.name, "failed", str(exc))
+                self.recap.mark(host.name, FAILED, str(exc))
                 continue
             if data:
                 self.results[host.name] = data[0]

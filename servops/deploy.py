@@ -15,6 +15,7 @@ Order, per server (one host, or the nodes of a multi-node server, rank 0 first):
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,7 +27,7 @@ from . import interrupt, patchplan, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import host_lock
 from .errors import ServopsError
-from .output import CHANGED, FAILED, console, err_console
+from .output import ATTENTION, CHANGED, FAILED, OK, RESTORED, console, err_console
 from .playbooks import load_variant
 from .progress import Phases
 from .provenance import REPO, git_sha, operator
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 class DeployError(ServopsError):
     pass
+
+
+NO_EARLIER = "no earlier healthy release to roll back to"
 
 
 def server_port(hs: HostSession) -> int:
@@ -120,7 +124,7 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
         path = Path(local) if Path(local).is_absolute() else REPO / local
         if not path.is_file():
             raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
-        files[path.name] = {"text": path.read_text()}
+        files[path.name] = {"text": path.read_text(encoding="utf-8")}
     return files
 
 
@@ -148,15 +152,43 @@ def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_ur
 
 # ---- deploy ----------------------------------------------------------------------------------
 
+def launch_identity(hs: HostSession, variant: dict, launch: Launch, patches: list[str]) -> dict[str, str]:
+    """sha256 of what the server runs from a release: its launch script, secrets file and server
+    files (not release.json or variant.yml: their timestamps and metadata restart nothing)."""
+    import hashlib
+
+    files = release_files(hs, variant, launch, patches)
+    return {name: "sha256=" + hashlib.sha256(spec["text"].encode()).hexdigest()
+            for name, spec in files.items() if name not in ("release.json", "variant.yml")}
+
+
+def unchanged_release(hs: HostSession, variant: dict, launch: Launch, wanted: list[str], actions: list) -> str | None:
+    """The current release's name when deploying would change nothing: the same launch files,
+    the same patch set (recorded and on disk) and its server up and healthy. None otherwise."""
+    if actions:
+        return None
+    ours = launch_identity(hs, variant, launch, wanted)
+    names = sorted(set(ours) | {"launch.sh", "secrets.env"})
+    cur = releases.ctl(hs, "identity", files=names)
+    if not cur.get("name") or not cur.get("healthy") or cur.get("status") not in ("healthy", "unconfirmed"):
+        return None
+    if list(cur.get("patches") or []) != list(wanted):
+        return None
+    if any((cur.get("files") or {}).get(n) != ours.get(n) for n in names):
+        return None
+    return cur["name"]
+
+
 def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
                  no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
                  keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
-                 push_url: str | None = None, record: dict | None = None) -> tuple[str, str]:
+                 push_url: str | None = None, record: dict | None = None, force: bool = False) -> tuple[str, str]:
     """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first).
 
     `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
     the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
-    reason, elapsed and the log's path."""
+    reason, elapsed and the log's path. A deploy that would change nothing (see unchanged_release)
+    restarts nothing, unless `force`."""
     variant = load_variant(variant) if isinstance(variant, str) else variant
     variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
@@ -173,12 +205,21 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         phases.step("preflight", f"{hs.host.name}: {check.summary()}"
                     + "".join(f"; rule: {r}" for r in check.rules))
         prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
+    same = [] if force or gate else [unchanged_release(hs, resolved, launch, wanted, actions)
+                                     for hs, resolved, launch, actions in prepared]
+    if same and all(same):
+        phases.step("done", f"{same[0]} already runs this launch and patch set, healthy: nothing restarted "
+                            f"(--force restarts it)")
+        if record is not None:
+            record.update(release=same[0], state="healthy", reason="unchanged", elapsed=0.0, log=None)
+        return OK, f"{'no change' if dry_run else 'unchanged'} (current: {same[0]})" + (" (check mode)" if dry_run else "")
     if dry_run:
         return CHANGED, "; ".join(_plan_text(hs, resolved, launch, actions, diff) for hs, resolved, launch, actions in prepared)
     with ExitStack() as stack:
         locks = []
         for hs in nodes:
-            locks.append(stack.enter_context(host_lock(hs, f"deploy {variant_name}", break_lock, port=server_port(hs))))
+            locks.append(stack.enter_context(host_lock(hs, f"deploy {variant_name}", break_lock, port=server_port(hs),
+                                                       supersede=True)))
         phases.step("lock", "deploy lock taken" + (f" on {len(nodes)} nodes" if len(nodes) > 1 else ""))
         for hs, lock in zip(nodes, locks):
             port = lock["port"]
@@ -206,11 +247,14 @@ def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, sh
             + (f"; patches: {summary}" if summary else "") + " (check mode)")
 
 
-def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str]) -> dict:
-    """What the host guard needs to finish, or undo, this deploy by itself."""
-    prev = lock["listing"]["current"]
+def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str], previous: str | None = None) -> dict:
+    """What the host guard needs to finish, or undo, this deploy (or restart) by itself: the
+    release to go back to is the one running now (a restart: the previous healthy one)."""
+    prev = previous if previous is not None else lock["listing"]["current"]
     target = next((r for r in lock["listing"]["releases"] if r["name"] == prev), None)
-    return {"lease_timeout": float(hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
+    spec = {"_clock_step": float(os.environ["SERVOPS_TEST_GUARD_CLOCK_STEP"])} \
+        if os.environ.get("SERVOPS_TEST_GUARD_CLOCK_STEP") else {}  # tests: the guard's wall clock stepped
+    return {**spec, "lease_timeout": float(hs.host.get("lease_timeout") or DEFAULT_LEASE_TIMEOUT),
             "health_timeout": health_timeout(hs, meta["health"]), "port": meta["port"], "health": meta["health"],
             "signatures": signatures(meta), "stop_grace": meta.get("stop_grace", 30), "lock_id": lock["id"],
             "previous": target and {"name": target["name"], "port": target.get("port"), "health": target.get("health")},
@@ -237,7 +281,8 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
                                journal={"action": "deploy.start", "who": operator(), "variant": variant_name,
                                         "previous": previous[hs.host.name],
                                         "patches": [f"{a} {p.name}" for a, p in actions]})
-            nodes.append(Node(hs, res["name"], meta, lock["root"], guard))
+            nodes.append(Node(hs, res["name"], meta, lock["root"], guard,
+                              extra={"server": lock["listing"]["server"], "lock_id": lock["id"]}))
         keeper = LeaseKeeper(nodes, every=max(1.0, nodes[0].guard["lease_timeout"] / 4)).start()
         changes = []
         for (hs, _resolved, _launch, actions) in prepared:
@@ -252,6 +297,13 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()
         with interrupt.handling():
+            try:
+                for n in nodes:  # the decision is ours (a guard that took over undoes the patches itself)
+                    claim(n, "undo: discard the release")
+            except releases.GuardTookOver as took:
+                if keeper:
+                    keeper.stop()
+                return ATTENTION, f"{took}; nothing restarted"
             for hs, _resolved, _launch, _actions in prepared:
                 patchplan.undo(hs, patch_done.get(hs.host.name, []))
             for n in nodes:  # its guard stands down when the release goes
@@ -262,28 +314,44 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
             record.update(release=None, state="interrupted", reason="before the server was touched")
             return FAILED, "interrupted before the server was touched: nothing changed"
         raise
+    return _bring_up_and_conclude(nodes, keeper, phases, variant_name, previous, changes, no_rollback=no_rollback,
+                                  keep=keep, gate=gate, bench_opts=bench_opts, push_url=push_url, record=record)
+
+
+def _bring_up_and_conclude(nodes: list[Node], keeper: LeaseKeeper, phases: Phases, variant_name: str,
+                           previous: dict, changes: list[str], *, no_rollback: bool = False, keep: int | None = None,
+                           gate: list | None = None, bench_opts: dict | None = None, push_url: str | None = None,
+                           record: dict | None = None, verb: str = "deploy") -> tuple[str, str]:
+    """The point of no return, for a deploy and for a restart of the current release: from here
+    every failure, exception or Ctrl-C ends in a rollback (the guard watching throughout)."""
     n0 = nodes[0]
-    # The point of no return. From here every failure, exception or Ctrl-C ends in a rollback.
+    hs0 = n0.hs
+    record = record if record is not None else {}
     try:
         try:
-            outcome = bring_up(nodes, phases, n0.name)
+            outcome = bring_up(nodes, phases, n0.name, owner={"name": n0.name, "id": n0.extra["lock_id"]})
             if outcome["state"] == "healthy" and gate:
                 phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
-                outcome = _metric_gate(hs0, gate, bench_opts, outcome)
+                outcome = _metric_gate(hs0, gate, bench_opts or {}, outcome)
             if push_url:
                 _push_event(push_url, hs0, variant_name, n0.name, outcome)
         except KeyboardInterrupt:
             interrupt.request()
             outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
+        except releases.GuardTookOver as took:
+            return ATTENTION, str(took)
         except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
             outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
         record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
                       elapsed=outcome.get("elapsed"), log=outcome.get("log"))
         with interrupt.handling():
-            return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep)
+            try:
+                return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep, verb)
+            except releases.GuardTookOver as took:
+                return ATTENTION, str(took)
     except KeyboardInterrupt:  # a second Ctrl-C, during the rollback: leave, say where things stand
-        return FAILED, (f"interrupted during the rollback of {n0.name}; the host may have no server: "
-                        f"run `invoke status -H {hs0.host.name}`, then `invoke rollback -H {hs0.host.name}`")
+        return ATTENTION, (f"interrupted during the rollback of {n0.name}; the host may have no server: "
+                           f"run `invoke status -H {hs0.host.name}`, then `invoke rollback -H {hs0.host.name}`")
     finally:
         keeper.stop()  # the release is marked by now: its guard has stood down
 
@@ -300,48 +368,66 @@ def _push_event(url: str, hs: HostSession, variant_name: str, release: str, outc
         err_console.print(f"{hs.host.name}: {exc}", markup=False)
 
 
+def claim(n: Node, action: str) -> None:
+    """Take the release's decision token before acting on it; GuardTookOver when the host's
+    guard acted first (this controller was cut off or frozen past its lease)."""
+    releases.ctl(n.hs, "claim", name=n.name, id=n.extra["lock_id"], action=action, who=operator())
+
+
 def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: str, previous: dict,
-              changes: list[str], no_rollback: bool, keep: int | None) -> tuple[str, str]:
+              changes: list[str], no_rollback: bool, keep: int | None, verb: str = "deploy") -> tuple[str, str]:
     n0 = nodes[0]
     hs0 = n0.hs
     if outcome["state"] == "healthy":
         for n in nodes:
             prev = previous[n.hs.host.name]
-            releases.batch(n.hs, {"op": "mark", "name": n.name,
+            releases.batch(n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep",
+                                  "who": operator()},
+                           {"op": "mark", "name": n.name,
                                   "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
-                                  "journal": {"action": "deploy", "who": operator(), "release": n.name,
+                                  "journal": {"action": verb, "who": operator(), "release": n.name,
                                               "variant": variant_name, "outcome": "healthy",
                                               "detail": outcome["reason"], "previous": prev}},
                            {"op": "disarm", "name": n.name},
                            {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
         extra = f"; patches: {', '.join(changes)}" if changes else ""
         ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
-        phases.step("done", f"{n0.name} healthy in {outcome['elapsed']:.1f}s")
-        _summary(hs0, f"Deployed {n0.name}{ranks}: {outcome['reason']} after {outcome['elapsed']:.1f}s"
-                      f"{extra}. The previous release {previous[hs0.host.name] or '(none)'} stays for "
-                      f"`invoke rollback -H {hs0.host.name}`.")
-        return CHANGED, f"deployed {n0.name}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra}"
+        phases.step("done", f"{n0.name} healthy in {outcome['elapsed']:.1f}s: {outcome['reason']}")
+        prev = previous[hs0.host.name]
+        back = f"; invoke rollback goes back to {prev}" if prev and prev != n0.name and verb == "deploy" else ""
+        done = {"deploy": "deployed", "restart": "restarted", "start": "started"}[verb]
+        return CHANGED, f"{done} {n0.name}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra}{back}"
     status = "interrupted" if outcome["state"] == "interrupted" else "failed"
     for n in nodes:
-        releases.ctl(n.hs, "mark", name=n.name, fields={"status": status, "failure": outcome["reason"]},
-                     journal={"action": "deploy", "who": operator(), "release": n.name, "variant": variant_name,
-                              "outcome": status, "detail": outcome["reason"]})
+        # the guard stays armed through the rollback: a controller lost mid-way is finished for
+        releases.batch(n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"],
+                              "action": "leave" if no_rollback else "roll back", "who": operator()},
+                       {"op": "mark", "name": n.name, "fields": {"status": status, "failure": outcome["reason"]},
+                        "journal": {"action": verb, "who": operator(), "release": n.name, "variant": variant_name,
+                                    "outcome": status, "detail": outcome["reason"]}},
+                       *([{"op": "disarm", "name": n.name}] if no_rollback else []))
     report_failure(hs0, n0.name, outcome)
     from .diagnose import diagnose_command
 
     hint = f"; next: {diagnose_command(hs0.host.name)}"
     if no_rollback:
-        return FAILED, f"{n0.name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is){hint}"
+        return ATTENTION, f"{n0.name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is){hint}"
     try:
-        back = _rollback_locked([n.hs for n in nodes], to=None, failed=[n.name for n in nodes], phases=phases)
+        back = _rollback_locked([n.hs for n in nodes], to=None, failed=[n.name for n in nodes], phases=phases,
+                                owner={"name": n0.name, "id": n0.extra["lock_id"]})
+    except releases.GuardTookOver:
+        raise
     except ServopsError as exc:
-        return FAILED, (f"{n0.name} {outcome['state']}: {outcome['reason']}; {exc}; the host has no healthy server: "
-                        f"fix it, then run `invoke rollback -H {hs0.host.name}`{hint}")
-    return FAILED, f"{n0.name} {outcome['state']}: {outcome['reason']}; {back}{hint}"
-
-
-def _summary(hs: HostSession, text: str) -> None:
-    console.print(hs.redactor(text), markup=False, highlight=False, style="bold")
+        return ATTENTION, (f"{n0.name} {outcome['state']}: {outcome['reason']}; {exc}; the host has no healthy "
+                           f"server: fix it, then run `invoke rollback -H {hs0.host.name}`{hint}")
+    finally:
+        for n in nodes:  # done (or reported): the guard stands down
+            try:
+                releases.ctl(n.hs, "disarm", name=n.name)
+            except ServopsError:
+                pass
+    code = ATTENTION if back.startswith(NO_EARLIER) else RESTORED
+    return code, f"{n0.name} {outcome['state']}: {outcome['reason']}; {back}{hint}"
 
 
 def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
@@ -362,10 +448,8 @@ def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -
 
 def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
     """The reason, a bounded excerpt (the signature line with its context) and the full log's path."""
-    err_console.print(hs.redactor(f"{hs.host.name}: release {name} {outcome['state']}: {outcome['reason']}"),
-                      markup=False, style="bold red")
-    if outcome.get("excerpt"):
-        err_console.print(f"--- server.log excerpt ({hs.host.name}) ---", markup=False)
+    if outcome.get("excerpt"):  # the outcome itself is the recap's line: said once
+        err_console.print(f"--- server.log excerpt ({hs.host.name}, {name}) ---", markup=False)
         for line in outcome["excerpt"]:
             err_console.print(hs.redactor(line), markup=False, highlight=False)
         err_console.print(f"--- full log: {hs.host.name}:{outcome.get('log') or name + '/server.log'}", markup=False)
@@ -374,7 +458,7 @@ def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
 # ---- rollback --------------------------------------------------------------------------------
 
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
-                     show_diff: bool = False, phases: Phases | None = None) -> str:
+                     show_diff: bool = False, phases: Phases | None = None, owner: dict | None = None) -> str:
     """Bring every node back to an earlier release (`to`, or each node's previous healthy one)."""
     phases = phases or Phases(nodes[0].host.name, nodes[0].redactor)
     targets = []
@@ -392,7 +476,7 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
                 if failed:
                     for other in nodes:
                         releases.stop(other, 10.0)
-                    return "no earlier healthy release to roll back to: server stopped"
+                    return f"{NO_EARLIER}: server stopped"
                 raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
         targets.append((hs, target, state))
     phases.step("rollback", f"to {targets[0][1]['name']}")
@@ -404,9 +488,9 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
         patchplan.run(hs, actions, show_diff=show_diff)
         if show_diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
-    nodes_up = [Node(hs, t["name"], t, state["root"]) for hs, t, state in targets]
+    nodes_up = [Node(hs, t["name"], t, state["root"], extra={"server": state["server"]}) for hs, t, state in targets]
     hs0, t0, _ = targets[0]
-    outcome = bring_up(nodes_up, phases, f"rollback to {t0['name']}")
+    outcome = bring_up(nodes_up, phases, f"rollback to {t0['name']}", owner=owner)
     if outcome["state"] != "healthy":
         report_failure(hs0, t0["name"], outcome)
         for hs, t, _ in targets:
@@ -444,7 +528,7 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
         actions = [f"{a} {p.name}" for a, p in plan]
         return CHANGED, (f"would roll back {state['current']} -> {target['name']}"
                          + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)")
-    with host_lock(hs, "rollback", break_lock):
+    with host_lock(hs, "rollback", break_lock, supersede=True):
         try:
             return CHANGED, _rollback_locked([hs], to, show_diff=diff)
         except KeyboardInterrupt:
@@ -475,19 +559,72 @@ def _read_remote(hs: HostSession, path: str) -> str:
 
 
 def stop(hs: HostSession, grace: float | None, dry_run: bool, break_lock: bool = False) -> tuple[str, str]:
-    """`invoke stop`: under the host lock, so it never races a deploy's health gate."""
+    """`invoke stop`: every process of the release (its leader, children that ignore SIGTERM, a
+    child still serving after its leader died, setsid() escapees), under the host lock so it
+    never races a deploy's health gate."""
+    from .bringup import stop_lines
+
     state = releases.listing(hs)
-    server = state["server"]
-    if not server:
-        return "ok", "no server running"
+    server, leftovers = state["server"], state.get("leftovers") or []
+    if not server and not leftovers:
+        return OK, "no server running"
+    what = (f"pid {server['pid']} ({server['release']})" if server else
+            f"{len(leftovers)} leftover process(es) of {leftovers[0]['release']} (their server's leader is gone)")
     if dry_run:
-        return CHANGED, f"would stop pid {server['pid']} ({server['release']}) (check mode)"
-    with host_lock(hs, "stop", break_lock):
+        return CHANGED, f"would stop {what} (check mode)"
+    with host_lock(hs, "stop", break_lock, supersede=True):
         current = next((r for r in state["releases"] if r["name"] == state["current"]), {})
-        res = releases.ctl(hs, "stop", grace=grace or float(current.get("stop_grace", 30)),
-                           ssh_timeout=int(grace or float(current.get("stop_grace", 30))) + 60,
-                           journal={"action": "stop", "who": operator()})
+        wait = grace or float(current.get("stop_grace", 30))
+        try:
+            res = releases.ctl(hs, "stop", grace=wait, ssh_timeout=int(wait) + 90,
+                               journal={"action": "stop", "who": operator()})
+        except releases.RemoteError as exc:  # signals were sent: the host is not as it was
+            return ATTENTION, f"{exc}; see invoke status -H {hs.host.name}"
     if not res.get("stopped"):
-        return "ok", "no server running"
-    how = "SIGKILL after grace period" if res.get("killed") else "SIGTERM"
-    return CHANGED, f"stopped pid {res['pid']} ({how})"
+        return OK, "no server running"
+    how = "SIGKILL after the grace period" if res.get("killed") else "SIGTERM"
+    details = stop_lines(res)
+    return CHANGED, f"stopped {what} ({how})" + ("; " + "; ".join(details) if details else "")
+
+
+# ---- start / restart: the current release, no new one ----------------------------------------
+
+def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False) -> tuple[str, str]:
+    """`start` brings the current release up when its server is down (after a reboot, a stop);
+    `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
+    made whole first, and a crash rolls back to the previous healthy release."""
+    state = releases.listing(hs)
+    cur, server = state["current"], state["server"]
+    name = hs.host.name
+    if not cur:
+        raise DeployError(f"{name}: no release is deployed under {state['root']}: invoke deploy --variant V -H {name}")
+    rels = {r["name"]: r for r in state["releases"]}
+    target = rels[cur]
+    if verb == "start" and server and server.get("release") == cur:
+        ident = releases.ctl(hs, "identity", name=cur, files=[])
+        if ident.get("healthy"):
+            return OK, f"{cur} already running (pid {server['pid']})"
+        raise DeployError(f"{name}: {cur} runs (pid {server['pid']}) but is not healthy: invoke restart -H {name}")
+    wanted = list(target.get("patches") or [])
+    actions = patchplan.plan(hs, wanted)
+    if dry_run:
+        patches = "; patches: " + ", ".join(f"{a} {p.name}" for a, p in actions) if actions else ""
+        return CHANGED, f"would {verb} {cur}{patches} (check mode)"
+    phases = Phases(name, hs.redactor)
+    with host_lock(hs, verb, break_lock, port=int(target.get("port") or server_port(hs)), supersede=True) as lock:
+        port = lock.get("port") or {}
+        if port.get("busy") and not port.get("ours"):
+            raise DeployError(f"{name}: port {target.get('port')} is already in use by a process servops did not "
+                              f"start; free it or change server_port")
+        prev = releases.previous_good(state["releases"], cur)
+        guard = guard_spec(hs, target, lock, wanted, previous=prev["name"] if prev else "")
+        if actions:
+            phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
+        changes = patchplan.run(hs, actions)
+        releases.ctl(hs, "rearm", name=cur, guard=guard,
+                     journal={"action": f"{verb}.begin", "who": operator(), "release": cur})
+        node = Node(hs, cur, target, lock["root"], guard, extra={"server": lock["listing"]["server"],
+                                                                "lock_id": lock["id"]})
+        keeper = LeaseKeeper([node], every=max(1.0, guard["lease_timeout"] / 4)).start()
+        return _bring_up_and_conclude([node], keeper, phases, target.get("variant") or "?",
+                                      {name: prev["name"] if prev else None}, changes, verb=verb)

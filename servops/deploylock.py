@@ -10,6 +10,7 @@ always replaces it.
 
 from __future__ import annotations
 
+import getpass
 import os
 import socket
 import time
@@ -59,22 +60,27 @@ def is_stale(held: dict, age: float, stale_after: float) -> str | None:
 def describe(held: dict) -> str:
     if held.get("unreadable"):
         return "an unreadable lock file"
+    if held.get("guard"):
+        return f"the host's guard, {held.get('action')} ({held.get('detail')})"
     who = held.get("who") or f"{held.get('user')}@{held.get('controller')}"
     return f"{who} pid {held.get('pid') or held.get('host_pid')} ({held.get('action')}, since {held.get('acquired_at')})"
 
 
 @contextmanager
-def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None, wait: float = 0.0):
+def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None, wait: float = 0.0,
+              supersede: bool = False):
     """Hold the host's deploy lock; yields the lock reply (release listing, and `port` check).
-    `wait`: seconds to wait for a live holder to finish before refusing."""
-    owner = {"id": uuid.uuid4().hex, "who": operator(), "user": operator().split("@")[0],
+    `wait`: seconds to wait for a live holder to finish before refusing. `supersede`: this
+    operation replaces or stops the server, so it takes over a deploy that never finished
+    (the host's guard stands down); any other waits for that guard."""
+    owner = {"id": uuid.uuid4().hex, "who": operator(), "user": getpass.getuser(),
              "controller": socket.gethostname(), "pid": os.getpid(), "action": action}
-    res = ctl(hs, "lock", owner=owner, port=port)
+    res = ctl(hs, "lock", owner=owner, port=port, supersede=supersede or break_lock)
     deadline = time.monotonic() + wait
     while not res["acquired"] and time.monotonic() < deadline and not break_lock and not is_stale(
             res["held"], res["age"], float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER))):
         time.sleep(0.5)
-        res = ctl(hs, "lock", owner=owner, port=port)
+        res = ctl(hs, "lock", owner=owner, port=port, supersede=supersede)
     if not res["acquired"]:
         held = res["held"]
         reason = is_stale(held, res["age"], float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)))
@@ -83,7 +89,7 @@ def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int 
             err_console.print(f"{hs.host.name}: breaking the deploy lock held by {describe(held)} ({why})", markup=False)
             replace = {"id": held.get("id"), "unreadable": held.get("unreadable", False), "mtime": held.get("mtime"),
                        "why": why}
-            res = ctl(hs, "lock", owner=owner, replace=replace, port=port)
+            res = ctl(hs, "lock", owner=owner, replace=replace, port=port, supersede=True)
         if not res["acquired"]:
             raise LockHeld(f"{hs.host.name}: the deploy lock is held by {describe(res.get('held') or held)}; "
                            f"wait for it, or pass --break-lock if that operation is dead")

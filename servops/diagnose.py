@@ -9,7 +9,6 @@ against the knowledge base and prints them, every line through the host's redact
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import ServopsError
-from .output import console, err_console
+from .output import console, err_console, json_text
 from .patchstore import PATCH_ROOT
 from .redact import Redactor
 from .releases import deploy_root
@@ -28,7 +27,8 @@ from .schema import load_yaml, read_text
 from .transport import HostSession
 
 CATEGORIES = ("dynamo-trace", "cuda-oom", "nccl", "illegal-memory-access", "jit-build", "arch-unsupported",
-              "model-load", "port-in-use", "triton-resources", "quantization", "config")
+              "model-load", "port-in-use", "triton-resources", "quantization", "config", "install", "host-limits",
+              "engine-death")
 _CONDITIONS = {"exception", "root", "final", "message", "frames", "code", "not"}
 # Weights for ranking hits: a frame or a source line pins a failure down more than a message.
 _WEIGHTS = {"frames": 3, "code": 3, "exception": 2, "root": 2, "final": 2, "message": 1}
@@ -61,6 +61,8 @@ def known_issues(path: Path | None = None) -> list[dict]:
                 raise DiagnoseError(f"{path}: entry {eid} lacks '{key}'")
         if eid in seen:
             raise DiagnoseError(f"{path}: entry {eid} appears twice")
+        if not isinstance(entry.get("fallback", False), bool):
+            raise DiagnoseError(f"{path}: entry {eid}: 'fallback' must be true or false")
         seen.add(eid)
         if entry["category"] not in CATEGORIES:
             raise DiagnoseError(f"{path}: entry {eid}: category {entry['category']!r} is not one of {', '.join(CATEGORIES)}")
@@ -125,6 +127,8 @@ def evidence(f: dict) -> Evidence:
         text.extend(exc.get("details") or [])
         if exc.get("skipped_call"):
             text.append("skipped call: " + exc["skipped_call"])
+        if exc.get("user_frames"):
+            text.append("from user code:")  # dynamo's own section: it was tracing when this was raised
     if f.get("abort"):
         if f["abort"]["type"]:  # "" when the excerpt starts at what()
             types.append(f["abort"]["type"])
@@ -175,14 +179,17 @@ def _score(cond: dict, ev: Evidence) -> int | None:
 
 
 def match(finding: dict, issues: list[dict]) -> list[dict]:
-    """Entries whose conditions hold for a finding, most specific first."""
+    """Entries whose conditions hold for a finding, most specific first. A `fallback` entry (one
+    that names what failed, not why: "the engine core died") counts only when nothing else does."""
     ev = evidence(finding)
     hits = []
     for order, entry in enumerate(issues):
         scores = [s for s in (_score(alt, ev) for alt in _alternatives(entry)) if s is not None]
         if scores:
             hits.append((-max(scores), order, entry))
-    return [entry for _, _, entry in sorted(hits, key=lambda h: (h[0], h[1]))]
+    ranked = [entry for _, _, entry in sorted(hits, key=lambda h: (h[0], h[1]))]
+    causes = [e for e in ranked if not e.get("fallback")]
+    return causes or ranked
 
 
 def call_chain(finding: dict, entry_rx: str | None) -> list[str]:
@@ -280,6 +287,7 @@ class HostReport:
     host: str
     findings: int = 0
     matched: list[tuple[str, str]] = field(default_factory=list)   # (entry id, category) per matched finding
+    ended: dict | None = None      # the line showing the server died (scan's "ended"), if the log has one
 
     @property
     def verdict(self) -> str:
@@ -287,13 +295,18 @@ class HostReport:
             entry, cat = self.matched[0]
             more = len({m[0] for m in self.matched}) - 1
             return f"matched: {entry} ({cat})" + (f" and {more} more known issue(s)" if more > 0 else "")
+        if self.ended:
+            how = " (the log stops inside a traceback)" if self.ended.get("how") == "mid-traceback" else ""
+            return f"no known issue matched — the server ended abnormally: {self.ended['text']}{how}"
         if self.findings:
             return f"no known issue matched — {self.findings} error(s) found"
         return "no errors found"
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.findings and not self.matched else 0
+        """0: a known issue explains it, or nothing failed; 1: a failure nothing explains, or a
+        server that died - never the exit of a healthy log."""
+        return 1 if (self.findings or self.ended) and not self.matched else 0
 
 
 def _ranks_text(f: dict) -> str:
@@ -311,6 +324,7 @@ def to_json(host: str, result: dict, f: dict, hits: list[dict]) -> dict:
             "root_exception": f.get("root_exception"), "final_exception": f.get("final_exception"),
             "frames": len(finding_frames(f)), "ranks": f.get("ranks") or [], "occurrences": f.get("occurrences", 1),
             "kind": f.get("kind"), "first_line": f.get("line"),
+            "then": [c["text"] for c in f.get("consequences") or []],
             "errors": sorted({e["class"] for e in f.get("errors") or []}),
             "next": (top.get("suggest") or {}) if top else {}, "link": top.get("link") if top else None}
 
@@ -424,6 +438,8 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
         p.line("chain: ", " -> ".join(steps))
     if f.get("cut_above"):
         p.line(("the log starts mid-chain: an earlier exception was cut off", "dim"))
+    for c in (f.get("consequences") or [])[:3]:
+        p.line("then: ", c["text"], f"  (line {c['line']})")
     for exc in f.get("chain") or []:
         if exc.get("context") and exc["context"] not in root:
             p.line("context: ", exc["context"])
@@ -487,7 +503,7 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
     p = _Printer(redact, con)
     scan = result["scan"]
     findings = scan["findings"]
-    rep = HostReport(host, findings=len(findings) + scan.get("more", 0))
+    rep = HostReport(host, findings=len(findings) + scan.get("more", 0), ended=scan.get("ended"))
     offline = bool(result.get("offline"))
     all_hits = [match(f, issues) for f in findings]
     for hits in all_hits:
@@ -495,7 +511,7 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
             rep.matched.append((hits[0]["id"], hits[0]["category"]))
     if as_json:
         for f, hits in zip(findings, all_hits):
-            line = json.dumps(_redact_json(to_json(host, result, f, hits), redact), sort_keys=True)
+            line = json_text(_redact_json(to_json(host, result, f, hits), redact), sort_keys=True)
             if con is not None:
                 con.out(line, highlight=False)
             else:
@@ -516,6 +532,8 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         print_finding(p, host, n, len(findings), f, hits, explain, offline)
     if scan.get("more"):
         p.line(f"... and {scan['more']} more failure(s) not shown")
+    if scan.get("ended") and not rep.matched:
+        p.line(("the server ended abnormally: ", "bold"), scan["ended"]["text"], f"  (log line {scan['ended']['line']})")
     sys.stdout.flush()
     return rep
 
@@ -531,9 +549,9 @@ def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=
 
 def run(*, release: str = "", log: str = "", offline: bool = False, as_json: bool = False, explain: bool = False,
         context: int = 3, allow_outside: bool = False, hosts: str | None = None, inventory: str | None = None) -> int:
-    """The diagnose verb. Returns the exit code: 0 matched or clean, 1 errors but no known issue,
-    2 bad input or a host that could not be read."""
-    from .cli import on_hosts, select
+    """The diagnose verb. Returns the exit code: 0 matched or clean, 1 errors but no known issue
+    (or a server that ended abnormally), 2 bad input or a host that could not be read."""
+    from .cli import HOSTS_ENV, on_hosts, select
     from .output import OK
 
     ctx = parse_context(context)
@@ -552,7 +570,12 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
             raise DiagnoseError("--offline reads --log FILE, not a release on a host")
         redactor = None
         if hosts:
-            _, targets = select(inventory, hosts)
+            try:
+                _, targets = select(inventory, hosts)
+            except ServopsError:
+                if hosts != os.environ.get(HOSTS_ENV):  # a typed -H: its mistake is the user's to fix
+                    raise
+                targets = []  # $SERVOPS_HOSTS names a fleet; a local file needs none of it
             if len(targets) == 1:
                 redactor = Redactor.for_host(targets[0])
         redact = make_redactor(redactor)

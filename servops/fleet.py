@@ -14,7 +14,7 @@ from typing import Callable
 from . import interrupt
 from .errors import ServopsError
 from .inventory import Host
-from .output import CHANGED, FAILED, OK, SKIPPED, Recap, err_console
+from .output import ATTENTION, CHANGED, FAILED, OK, SKIPPED, Failed, Recap, err_console
 from .transport import HostSession, Session
 
 # An operation returns (status, message) for its host, or raises ServopsError.
@@ -32,12 +32,12 @@ def run_on_groups(session: Session, groups: list[list[Host]], op: GroupOperation
         try:
             status, message = op(sessions)
         except ServopsError as exc:
-            status, message = FAILED, str(exc)
+            status, message = Failed(exc.exit_code), str(exc)
         except KeyboardInterrupt:
             interrupt.request()
             status, message = FAILED, "interrupted"
         except Exception as exc:  # an unexpected bug must not hide other hosts' results
-            status, message = FAILED, sessions[0].redactor(f"{type(exc).__name__}: {exc}")
+            status, message = ATTENTION, sessions[0].redactor(f"servops bug? {type(exc).__name__}: {exc}")
         for h in group:
             recap.mark(h.name, status if status in (OK, CHANGED, SKIPPED, FAILED) else OK, message)
 

@@ -201,14 +201,40 @@ def with_error_terms(conds: list[Condition]) -> list[Condition]:
     return [c for c in out if c.level is not None]
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One condition held against a result: whether it holds, the detail shown in parentheses,
+    and what it was measured at (None: nothing to measure)."""
+    cond: Condition
+    ok: bool
+    detail: str
+    actual: float | None = None
+    shown: str = ""             # the measurement as a violation shows it: '742.2', '3 of 16 requests'
+    bound: str = ""             # the right-hand side as evaluated: '300', '1.02*base = 918.0'
+
+
+NEGATED = {">=": "<", "<=": ">", ">": "<=", "<": ">="}
+SINGLE_RUN = "single run: no noise estimate"
+
+
+def verdicts(conds: list[Condition], result: dict, lookup) -> list[Verdict]:
+    """lookup(variant) -> saved result or None. One Verdict per condition (implicit error terms included)."""
+    return [_check(c, result, lookup) for c in with_error_terms(conds)]
+
+
 def evaluate(conds: list[Condition], result: dict, lookup) -> tuple[bool, list[str]]:
     """lookup(variant) -> saved result or None. Returns (passed, one line per condition)."""
-    lines, passed = [], True
-    for c in with_error_terms(conds):
-        ok, line = _check(c, result, lookup)
-        passed &= ok
-        lines.append(f"{'pass' if ok else 'FAIL'}: {c} ({line})")
-    return passed, lines
+    vs = verdicts(conds, result, lookup)
+    return all(v.ok for v in vs), [f"{'pass' if v.ok else 'FAIL'}: {v.cond} ({v.detail})" for v in vs]
+
+
+def violation(v: Verdict) -> str:
+    """What failed, as a measurement against its bound: `p99_ttft_ms@256 = 742.2 > 300`."""
+    c = v.cond
+    if v.actual is None:
+        return f"{c}: {v.detail}"
+    name = "failed" if c.metric == "error_rate" else c.written or c.metric
+    return f"{name}@{c.level} = {v.shown} {NEGATED[c.op]} {v.bound}"
 
 
 _THROUGHPUT = {"output_tps": "tok/s", "input_tps": "tok/s", "total_tps": "tok/s", "max_output_tokens_per_s": "tok/s",
@@ -232,27 +258,29 @@ def num(value: float, metric: str = "") -> str:
     return f"{text} {u}" if u else text
 
 
-def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
+def _check(c: Condition, result: dict, lookup) -> Verdict:
     lv = _level(result, c.level)
     if lv is None:
         why = result.get("stopped") or "the bench did not reach it"
-        return False, f"no result at level {c.level}: {why}"
+        return Verdict(c, False, f"no result at level {c.level}: {why}")
     if c.metric == "error_rate":
         rate = lv.get("failed", 0) / lv["requests"] if lv.get("requests") else 0.0
         errors = lv.get("errors") or {}
         top = max(errors.items(), key=lambda kv: kv[1])[0][:120] if errors else ""
-        ok = OPS[c.op](rate, c.number)
-        return ok, (f"{lv.get('failed', 0)} of {lv.get('requests', 0)} requests failed = {num(rate)}"
-                    + (f"; e.g. {top}" if top else ""))
+        failed = f"{lv.get('failed', 0)} of {lv.get('requests', 0)} requests"
+        return Verdict(c, OPS[c.op](rate, c.number), f"{failed} failed = {num(rate)}" + (f"; e.g. {top}" if top else ""),
+                       rate, f"{num(rate * 100)}%" if c.number else failed,
+                       f"{c.number * 100:g}%" if c.number else "0")
     mine = _samples(lv, c.metric)
     if mine is None:
         hint = " (bench ran without an SLO: add slo(...) to the gate)" if c.metric in ("goodput", "request_goodput") else ""
-        return False, f"this run has no {c.written or c.metric} at level {c.level}{hint}"
+        return Verdict(c, False, f"this run has no {c.written or c.metric} at level {c.level}{hint}")
     if c.ref is None:
         actual = _mean(mine)
         ci = (lv.get("ci95") or {}).get(c.metric)
         spread = f" ±{num((ci[1] - ci[0]) / 2)}" if ci else ""
-        return OPS[c.op](actual, c.number), f"{num(actual, c.metric)}{spread} {c.op} {num(c.number, c.metric)}"
+        return Verdict(c, OPS[c.op](actual, c.number), f"{num(actual, c.metric)}{spread} {c.op} {num(c.number, c.metric)}",
+                       actual, num(actual) + spread, f"{c.number:g}")
     ref = lookup(c.ref)
     if ref is None:
         raise GateError(f"gate: no saved bench of variant {c.ref!r} on {result.get('host')}; deploy and bench {c.ref} first")
@@ -278,4 +306,7 @@ def _check(c: Condition, result: dict, lookup) -> tuple[bool, str]:
         text += (f"; difference {'+' if diff >= 0 else ''}{num(diff, c.metric)} ±{num(half)} "
                  f"(95%, n={len(mine)} vs {len(theirs)})"
                  + ("" if ok else ": the interval does not clear it"))
-    return ok, text
+    elif len(mine) < 2 and len(theirs) < 2:
+        text += f"; {SINGLE_RUN}"
+    rhs = (f"{f:g}*{c.ref}" if f != 1 else c.ref) + f" = {num(target)}"
+    return Verdict(c, ok, text, a, num(a) + (f" ±{num(half)}" if half else ""), rhs)

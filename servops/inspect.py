@@ -139,6 +139,11 @@ def print_verify(host: str, result: dict) -> None:
 
     name = f"{result['name']} {result['version']}"
     patched = result.get("patched") or []
+    outside = result.get("outside_missing") or []
+    if outside:  # a `pip --target` install: the library is whole, its console scripts live elsewhere
+        console.print(f"{host}: {name}: {len(outside)} console script(s) not installed here "
+                      f"({', '.join(p.rsplit('/', 1)[-1] for p in outside[:5])}{', ...' if len(outside) > 5 else ''}): "
+                      f"outside site-packages, not drift of the library", markup=False)
     if not result["modified"] and not result["missing"]:
         note = f" ({len(patched)} changed by servops patches, as expected)" if patched else ""
         console.print(f"{host}: {name}: {result['checked']} files match RECORD{note}", markup=False)

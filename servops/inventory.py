@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import InventoryError
-from .schema import INVENTORY_VARS, NAME, SchemaError, coerce, load_yaml, read_text
+from .errors import InventoryError, did_you_mean
+from .schema import INVENTORY_VARS, NAME, SchemaError, coerce, load_yaml, persist_seconds, read_text
 
 DEFAULT_INVENTORY = "inventory/lab.yml"
 
@@ -68,6 +68,11 @@ class Host:
         return bool(self.vars.get("accept_new_host_keys", False))
 
     @property
+    def persist(self) -> float:
+        """Seconds the host's connection agent outlives the last command (0: none; default 10m)."""
+        return persist_seconds(self.vars.get("persist", True))
+
+    @property
     def venv(self) -> str:
         return str(self.require("venv"))
 
@@ -95,8 +100,9 @@ class Inventory:
             elif part in self.hosts:
                 members = [part]
             else:
-                known = ", ".join(sorted(set(self.groups) | set(self.hosts)))
-                raise InventoryError(f"{self.path}: no host or group named '{part}' (known: {known})")
+                names = sorted(set(self.groups) | set(self.hosts))
+                raise InventoryError(f"{self.path}: no host or group named '{part}'{did_you_mean(part, names)} "
+                                     f"(known: {', '.join(names)})")
             names.extend(m for m in members if m not in names)
         if not names:
             raise InventoryError(f"{self.path}: pattern '{pattern}' selects no hosts")

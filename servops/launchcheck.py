@@ -56,6 +56,7 @@ class LaunchCheck:
     host_timings: dict = field(default_factory=dict)
     branches: int = 1                   # argvs the host parsed in this round trip
     server_module: str = "sglang.launch_server"
+    flag_problems: list[str] = field(default_factory=list)  # the problems the host's parser found
 
     @property
     def checked(self) -> bool:
@@ -211,7 +212,8 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     elif parser is None:
         warnings.append(f"sglang {version}'s flags were not checked: {info.get('note') or 'no parser'}")
     else:
-        problems.extend(_problem_lines(result, version, static))
+        check.flag_problems = _problem_lines(result, version, static)
+        problems.extend(check.flag_problems)
         used = {a.split("=", 1)[0] for a in check.argv if a.startswith("--")}
         for w in result.get("warnings") or []:
             warnings.append(f"{w['flag']}: {w['message']} (sglang {version})")
@@ -305,6 +307,56 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
     rows.append(("round trip", f"{check.elapsed_s:.2f}s, 1 SSH command, {check.branches} argv(s) parsed"
                  + (f" (host: {detail})" if detail else "")))
     return rows
+
+
+def print_checks(checks: list[LaunchCheck], verbose: bool = False) -> None:
+    """What `invoke check` shows: each host's detail for one host (or with --verbose); for several,
+    one compact row per host."""
+    if len(checks) == 1 or verbose:
+        for check in checks:
+            print_check(check)
+        return
+    from rich.text import Text
+
+    from .output import console, print_table, table
+
+    t = table(f"launch check of {checks[0].variant_name} on {len(checks)} hosts (--verbose: each host's detail)",
+              ["host", "sglang", "flags", "model", "port", "GPUs", "verdict"])
+    for check in checks:
+        t.add_row(*_compact_row(check),
+                  Text("ok" if check.ok else f"REFUSED: {check.problems[0]}"
+                       + (f" (+{len(check.problems) - 1} more)" if len(check.problems) > 1 else ""),
+                       style="green" if check.ok else "bold red"))
+    print_table(t)
+    for check in checks:
+        for w in check.warnings:
+            console.print(f"{check.host}: warning: {w}", markup=False, highlight=False)
+    console.file.flush()
+
+
+def _compact_row(check: LaunchCheck) -> list[str]:
+    """host, sglang, flags, model, port, GPUs: each in a few words."""
+    f = check.facts
+    sglang = f"{check.sglang_version} ({check.parser or 'not checked'})" if check.sglang_version else "not installed"
+    flags = sum(1 for a in check.argv if a.startswith("--"))
+    if not check.checked:
+        flag_text = f"{flags} not checked"
+    elif check.flag_problems:
+        flag_text = f"{len(check.flag_problems)} of {flags} refused"
+    else:
+        flag_text = f"{flags} ok"
+    model = f.get("model") or {}
+    model_text = (f"{model.get('path')}: " + {"dir": "ok", "file": "ok", "missing": "MISSING", "hub-id": "hub id"}
+                  .get(model.get("state"), str(model.get("state")))) if model else "-"
+    if model.get("state") == "missing" and check.server_module in DOUBLE_MODULES:
+        model_text = f"{model.get('path')}: not needed"
+    port = f.get("port") or {}
+    port_text = (f"{port['port']} " + {"free": "free", "ours": "servops'", "busy": "IN USE"}.get(port.get("state"), "?")
+                 if port else "-")
+    gpus = f.get("gpus")
+    seen = "no nvidia-smi" if gpus is None else (gpus.get("count") if gpus.get("count") is not None else "?")
+    gpu_text = f"{f.get('gpus_needed') or '?'} needed, {seen}" + ("" if gpus is None else " seen")
+    return [check.host, sglang, flag_text, model_text, port_text, gpu_text]
 
 
 def print_check(check: LaunchCheck) -> None:

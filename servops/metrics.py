@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -250,20 +251,53 @@ def _pct_cell(row: dict, key: str) -> str:
     return text
 
 
-def print_metrics(rows: list[dict]) -> None:
-    from .output import print_table, table
+def metrics_table(rows: list[dict], width: int | None = None):
+    """The server metrics table: since-start quantiles (p50/p90/p99) and, from the second scrape
+    on, the window since the previous one. Narrower than its full form needs (`width`, a
+    terminal's columns), it keeps what a watch needs: the window's p50/p99 (the since-start ones
+    where there is no window yet) in fewer, unbroken columns -- p99 is never cut off."""
+    from rich.measure import Measurement
+
+    from .output import make_console
+
+    full = _table(rows, compact=False)
+    if width is None:
+        return full
+    probe = make_console(width=10_000)
+    if Measurement.get(probe, probe.options, full).maximum <= width:
+        return full
+    return _table(rows, compact=True)
+
+
+def _table(rows: list[dict], compact: bool):
+    from .output import table
 
     windowed = any(r.get("window") for r in rows)
     seconds = max((r["window"]["seconds"] for r in rows if r.get("window")), default=0.0)
     last = f"last {seconds:.0f}s" if seconds >= 1 else f"last {seconds:.1f}s"
+    q = lambda h, s=1000.0, stats=("p50", "p90", "p99"): "/".join(_fmt(h[p], s) for p in stats)  # noqa: E731
+    e2e = lambda h: f"{_fmt(h['p50'], 1, 2)}/{_fmt(h['p99'], 1, 2)}"  # noqa: E731
+    if compact:
+        ranks = max((r.get("ranks") or 0 for r in rows), default=0)
+        t = table(f"server metrics ({last if windowed else 'since start'}"
+                  + (f"; gauges over {ranks} ranks" if ranks > 1 else "") + ")",
+                  ["host", "run/queue", "token usage", "gen tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
+                   "e2e p50/p99 s"] + (["req/s"] if windowed else []))
+        for col in t.columns:
+            col.no_wrap = True
+        for r in rows:
+            w = r.get("window") or r
+            t.add_row(r["host"], f"{_fmt(r['running'], 1, 0)}/{_fmt(r['queued'], 1, 0)}",
+                      _pct_cell(r, "token_usage"), _fmt(r["gen_throughput"]), q(w["ttft"], stats=("p50", "p99")),
+                      q(w["itl"], stats=("p50", "p99")), e2e(w["e2e"]),
+                      *([_fmt(w["requests_per_s"], 1, 2) if r.get("window") else "-"] if windowed else []))
+        return t
     cols = ["host", "ranks", "running", "queued", "token usage", "gen tok/s", "cache hit", "TTFT p50/p90/p99 ms"]
     cols += [f"TTFT {last}"] if windowed else []
     cols += ["ITL p50/p90/p99 ms"] + ([f"ITL {last}"] if windowed else [])
     cols += ["e2e p50/p99 s"] + ([f"e2e {last}", "req/s"] if windowed else [])
     t = table("server metrics", cols)
     for r in rows:
-        q = lambda h, s=1000.0: "/".join(_fmt(h[p], s) for p in ("p50", "p90", "p99"))  # noqa: E731
-        e2e = lambda h: f"{_fmt(h['p50'], 1, 2)}/{_fmt(h['p99'], 1, 2)}"  # noqa: E731
         w = r.get("window")
         cells = [r["host"], str(r.get("ranks") or "-"), _fmt(r["running"], 1, 0), _fmt(r["queued"], 1, 0),
                  _pct_cell(r, "token_usage"), _fmt(r["gen_throughput"]), _pct_cell(r, "cache_hit_rate"), q(r["ttft"])]
@@ -276,7 +310,14 @@ def print_metrics(rows: list[dict]) -> None:
         if windowed:
             cells += [e2e(w["e2e"]) if w else "-", _fmt(w["requests_per_s"], 1, 2) if w else "-"]
         t.add_row(*cells)
-    print_table(t)
+    return t
+
+
+def extra_tables(rows: list[dict]) -> list:
+    """The per-rank spread (where the ranks of a server disagree) and the GPUs."""
+    from .output import table
+
+    out = []
     spread = [(r["host"], key, agg) for r in rows for key, agg in (r.get("gauges") or {}).items()
               if agg and agg["ranks"] > 1 and agg["max"] - agg["min"] > 1e-9]
     if spread:
@@ -288,10 +329,60 @@ def print_metrics(rows: list[dict]) -> None:
             scale, digits = (100.0, 1) if GAUGES[key][1] == RATIO else (1.0, 1)
             s.add_row(host, key, _fmt(agg["min"], scale, digits), _fmt(agg["max"], scale, digits),
                       *[_fmt(agg["per_rank"].get(n), scale, digits) for n in names])
-        print_table(s)
+        out.append(s)
     gpu_rows = [(r["host"], g) for r in rows for g in r["gpus"]]
     if gpu_rows:
         g = table("GPUs", ["host", "gpu", "util %", "memory used / total (MiB)"])
         for host, gpu in gpu_rows:
             g.add_row(host, str(gpu["index"]), f"{gpu['util']:.0f}", f"{gpu['mem_used_mib']:.0f} / {gpu['mem_total_mib']:.0f}")
-        print_table(g)
+        out.append(g)
+    return out
+
+
+def print_metrics(rows: list[dict]) -> None:
+    from .output import print_table
+
+    for t in [metrics_table(rows)] + extra_tables(rows):
+        print_table(t)
+
+
+def watch(scrape_all: Callable[[], tuple[list[dict], object]], every: float = 0.0, as_json: bool = False):
+    """`invoke metrics`: one scrape, or (`every` seconds, --watch) one after another until Ctrl-C
+    or a failed scrape; returns the last scrape's recap. Watched on a terminal, the tables are
+    redrawn in place (rich Live), fitted to its width; piped (or --json) each scrape is printed
+    after the last."""
+    from .output import console, json_text
+
+    live = None
+    if every and not as_json and console.is_terminal:
+        from rich.live import Live
+
+        real = getattr(console, "_console", None) or console  # the rich Console behind the lazy wrapper
+        live = Live(console=real, auto_refresh=False)
+        live.start()
+    try:
+        while True:
+            rows, recap = scrape_all()
+            if as_json:
+                print(json_text(rows, indent=1))
+            elif live:
+                from rich.console import Group
+
+                if rows:  # a scrape cut short (Ctrl-C) leaves the last frame up
+                    live.update(Group(metrics_table(rows, console.size.width), *extra_tables(rows)), refresh=True)
+            else:
+                print_metrics(rows)
+            if not every or recap.failed or pause(every):
+                return recap
+    finally:
+        if live:
+            live.stop()
+
+
+def pause(seconds: float) -> bool:
+    """Sleep; True when Ctrl-C ended the watch."""
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        return True
+    return False

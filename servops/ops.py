@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import releases
-from .output import OK, console, print_table, table
+from .output import CHANGED, EXIT_NOTHING, OK, Failed, console, print_table, table
 from .transport import HostSession
 
 
@@ -16,7 +16,9 @@ def _uptime(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def status(hs: HostSession) -> tuple[str, str, dict]:
+def status(hs: HostSession, check: bool = False) -> tuple[str, str, dict]:
+    """One host's release and server. A current release whose server is down or unhealthy is
+    said so, with what to run; with `check` it is that host's failure (exit 1)."""
     res = releases.ctl(hs, "status")
     hs.redactor.learn(res.get("server_info"))  # its api_key, repeated in launch_command
     rel = res["release"] or {}
@@ -31,8 +33,19 @@ def status(hs: HostSession) -> tuple[str, str, dict]:
         "release_status": rel.get("status", "-"),
     }
     message = ""
-    if rel.get("status") in ("unconfirmed", "deploying", "interrupted"):
+    unfinished = res.get("unfinished") or []
+    if unfinished:
+        row["health"] = "deploy never finished" if any(u["guard"] == "restarted" for u in unfinished) \
+            else "deploying"
+        message = "; ".join(f"release {u['release']}: {u['detail']}" for u in unfinished)
+    elif rel.get("status") in ("unconfirmed", "deploying", "interrupted"):
         message = f"release {res['current']} is {rel['status']}" + (f": {rel['guard']}" if rel.get("guard") else "")
+    if res["current"] and row["health"] != "healthy" and not unfinished:
+        what = "down" if row["health"] == "down" else "not healthy"
+        fix = "start" if what == "down" else "restart"
+        message = f"server {what}: the current release {res['current']} is not serving; invoke {fix} -H {hs.host.name}"
+        if check:
+            return Failed(EXIT_NOTHING), message, row
     return OK, message, row
 
 
@@ -90,19 +103,61 @@ def list_releases(hs: HostSession) -> tuple[str, str, dict]:
 
 
 def print_releases(listings: dict) -> None:
-    t = table("releases", ["host", "release", "variant", "status", "patches", "created", ""])
+    t = table("releases", ["host", "release", "variant", "status", "patches", "created", "kept because"])
     for host, state in listings.items():
+        kept = state.get("protected") or {}
         for r in state["releases"]:
             t.add_row(host, r["name"], r.get("variant", "-"), r.get("status", "-"),
                       ", ".join(r.get("patches") or []) or "-", r.get("created", "-"),
-                      "current" if r["name"] == state["current"] else "")
+                      "; ".join(str(w) for w in kept.get(r["name"]) or []))
     print_table(t)
 
 
+def pin(hs: HostSession, name: str, why: str | None, unpin: bool) -> tuple[str, str]:
+    """releases --pin / --unpin: a pinned release is never pruned (whatever keep_releases says)."""
+    releases.check_name(name, "--unpin" if unpin else "--pin")
+    res = releases.ctl(hs, "pin", name=name, why=why, unpin=unpin)
+    now = (res.get("pins") or {}).get(name) or []
+    if unpin:
+        return CHANGED, f"unpinned {name}" + (f" (still pinned: {'; '.join(now)})" if now else "")
+    return CHANGED, f"pinned {name}: {'; '.join(now)}"
+
+
+def run_command(hs: HostSession, command: str, sudo: bool, timeout: int) -> tuple[str, str, dict]:
+    """`invoke run 'CMD'`: an ad-hoc shell command (Ansible's -a), output kept for printing per
+    host; the host's status is its exit status."""
+    from . import shell
+
+    line = f"sudo -n -- sh -c {shell.quote(command)}" if sudo else command
+    res = hs.run(line, timeout=timeout)
+    out = {"stdout": hs.redactor(res.stdout), "stderr": hs.redactor(res.stderr), "exit": res.exited}
+    if res.exited:
+        hint = "; sudo needs a password or is not allowed (sudo -n)" if sudo and "password" in res.stderr else ""
+        return Failed(EXIT_NOTHING), f"exit {res.exited}{hint}", out
+    return OK, "exit 0", out
+
+
+def print_command(host: str, out: dict) -> None:
+    console.print(f"---- {host}: exit {out['exit']} ----", markup=False, highlight=False)
+    for key, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        text = out[key]
+        if text:
+            stream.write(text if text.endswith("\n") else text + "\n")
+            stream.flush()
+
+
 def history(hs: HostSession, last: int) -> tuple[str, str, list]:
+    """The host's journal; what the host could not vouch for (damaged lines skipped, a broken
+    chain, entries cut off its end) goes to stderr as warnings, never silently."""
+    from .output import err_console
+
     res = releases.ctl(hs, "journal", last=last)
     entries = [{k: (hs.redactor(v) if isinstance(v, str) else v) for k, v in e.items()} for e in res["entries"]]
-    return OK, f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in {res['path']}", entries
+    problems = [str(p) for p in res.get("problems") or []]
+    for p in problems:
+        err_console.print(f"{hs.host.name}: warning: journal: {hs.redactor(p)}", markup=False, highlight=False)
+    note = f"; {len(problems)} warning(s)" if problems else ""
+    return OK, f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} in {res['path']}{note}", entries
 
 
 def print_history(host: str, entries: list[dict]) -> None:

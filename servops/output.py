@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import re
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 # Characters a terminal acts on rather than shows: C0 controls (ESC starts cursor moves, screen
 # clears, title and clipboard writes, hidden text) except tab and newline, DEL, C1 controls (0x9b
@@ -53,10 +56,26 @@ class SafeStream:
         return getattr(self.raw, name)
 
 
+def _escaping(stream) -> Callable[[], None]:
+    """Set `stream` to write what its encoding cannot show as an escape (\\u2014, \\udcff) rather
+    than raise UnicodeEncodeError (LC_ALL=C, PYTHONIOENCODING=ascii, undecodable host bytes kept
+    as surrogates); returns the undo."""
+    errors, reconfigure = getattr(stream, "errors", None), getattr(stream, "reconfigure", None)
+    if reconfigure is None or errors in (None, "backslashreplace"):
+        return lambda: None
+    try:
+        reconfigure(errors="backslashreplace")
+    except (ValueError, OSError, AttributeError):  # a stream that cannot change now: left as is
+        return lambda: None
+    return lambda: reconfigure(errors=errors)
+
+
 @contextlib.contextmanager
 def safe_streams():
-    """Install SafeStream on stdout and stderr for the duration (idempotent)."""
+    """Install SafeStream on stdout and stderr for the duration (idempotent); the real streams
+    escape what they cannot encode."""
     saved = sys.stdout, sys.stderr
+    undo = [_escaping(s.raw if isinstance(s, SafeStream) else s) for s in saved]
     if not isinstance(sys.stdout, SafeStream):
         sys.stdout = SafeStream(sys.stdout)
     if not isinstance(sys.stderr, SafeStream):
@@ -65,6 +84,27 @@ def safe_streams():
         yield
     finally:
         sys.stdout, sys.stderr = saved
+        for restore in undo:
+            restore()
+
+
+def json_text(obj: Any, **kwargs) -> str:
+    """JSON that strict parsers (jq, JSON.parse) read: NaN and +-Infinity, which json.dumps writes
+    bare, become null. Everything servops prints or writes as JSON goes through this."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def make_console(**kwargs):
@@ -118,6 +158,36 @@ console = _LazyConsole()
 err_console = _LazyConsole(stderr=True)
 
 OK, CHANGED, FAILED, SKIPPED = "ok", "changed", "failed", "skipped"
+
+# The exit-code contract (README, `invoke --help`): what a script calling servops can rely on.
+EXIT_OK, EXIT_NOTHING, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_RESTORED, EXIT_ATTENTION, EXIT_INTERRUPTED = (
+    0, 1, 2, 3, 4, 5, 130)
+EXIT_CONTRACT = ("exit status: 0 ok; 1 nothing matched (diagnose) or the command failed (run, status --check); "
+                 "2 bad input, nothing touched; 3 a host unreachable; 4 failed on a host and servops restored it "
+                 "(rolled back, undone); 5 failed and the host is NOT as before (the line says what to run); "
+                 "130 interrupted")
+# With several hosts failing differently, the exit status is the one needing most attention.
+_SEVERITY = [EXIT_ATTENTION, EXIT_RESTORED, EXIT_UNREACHABLE, EXIT_BAD_INPUT, EXIT_NOTHING]
+
+
+class Failed(str):
+    """FAILED, carrying the exit status it stands for (compares equal to "failed")."""
+
+    def __new__(cls, code: int):
+        obj = super().__new__(cls, FAILED)
+        obj.code = code
+        return obj
+
+
+RESTORED = Failed(EXIT_RESTORED)      # the operation failed; servops rolled back or undid it
+ATTENTION = Failed(EXIT_ATTENTION)    # the operation failed and the host is not as before
+UNREACHABLE = Failed(EXIT_UNREACHABLE)
+
+
+def worst(codes) -> int:
+    """The exit status needing most attention among `codes` (0 when none)."""
+    codes = set(codes)
+    return next((c for c in _SEVERITY if c in codes), 0)
 _STYLE = {OK: "green", CHANGED: "yellow", FAILED: "bold red", SKIPPED: "cyan"}
 
 
@@ -130,6 +200,7 @@ class HostOutcome:
     host: str
     status: str = OK
     messages: list[str] = field(default_factory=list)
+    codes: list[int] = field(default_factory=list)  # exit statuses its failures stand for
 
 
 class Recap:
@@ -141,7 +212,7 @@ class Recap:
         self._lock = threading.Lock()
         self.hosts: dict[str, HostOutcome] = {}
         self.order: list[str] = []
-        self.exit_code = 2  # when any host failed; a verb may choose another (diagnose: 1)
+        self.default_code = EXIT_BAD_INPUT  # a failure that names no code; a verb may choose another
         self.machine_output = False  # stdout holds JSON: the recap goes to stderr
 
     def expect(self, names: list[str]) -> None:
@@ -153,12 +224,19 @@ class Recap:
             out = self.hosts.setdefault(host, HostOutcome(host, status if status == SKIPPED else OK))
             if self._order[status] > self._order[out.status]:
                 out.status = status
+            if status == FAILED:
+                out.codes.append(getattr(status, "code", None) or self.default_code)
             if message:
                 out.messages.append(message)
 
     @property
     def failed(self) -> list[str]:
         return [h for h, o in self.hosts.items() if o.status == FAILED]
+
+    @property
+    def exit_code(self) -> int:
+        """The contract's status for this run: the failed hosts' most serious one."""
+        return worst(c for o in self.hosts.values() if o.status == FAILED for c in o.codes)
 
     def render(self) -> None:
         """One line per host in inventory order; a failed host's line (with its error) on

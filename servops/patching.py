@@ -14,6 +14,7 @@ from .output import CHANGED, OK, console, err_console, is_tty
 from .provenance import operator
 from .releases import deploy_root
 from .patchstore import PATCH_ROOT, Patch, PatchError, write_patch
+from .errors import NeedsAttention, RemoteError
 from .remote_exec import run_program
 from .transport import HostSession
 
@@ -26,11 +27,17 @@ _REMOTE_STATE = {"not-applied": NOT_APPLIED, "applied": APPLIED, "conflicts": CO
 def _run(hs: HostSession, op: str, **args) -> dict:
     """One patch_op run. Every op first finishes or undoes a transaction a killed run left
     behind on the host; say so when it did."""
-    args = dict(args, op=op, operator=operator(), journal=f"{deploy_root(hs.host)}/journal.jsonl")
+    args = dict(args, op=op, operator=operator(), journal=f"{deploy_root(hs.host)}/journal.jsonl",
+                deploy_root=deploy_root(hs.host))
     # Crash-safety tests: SERVOPS_FAULT=<op>:<point> makes the host program SIGKILL itself there.
     if os.environ.get("SERVOPS_FAULT"):
         args["_fault"] = os.environ["SERVOPS_FAULT"]
-    res = run_program(hs, "patch_op", args)
+    try:
+        res = run_program(hs, "patch_op", args)
+    except RemoteError as exc:
+        if "could not be undone yet" in str(exc):  # files half-changed until the next patch operation
+            raise NeedsAttention(f"{exc}; run invoke patch.status -H {hs.host.name}") from None
+        raise
     if res.get("recovered"):
         err_console.print(f"{hs.host.name}: patch state: {res['recovered']}", markup=False)
     return res

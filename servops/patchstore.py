@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 from unidiff import PatchSet
 from unidiff.errors import UnidiffParseError
 
-from .errors import ServopsError
+from .errors import ServopsError, did_you_mean
 from .schema import PATCH_META, load_mapping, read_text
 
 # Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
@@ -138,8 +138,9 @@ def find_patch(name: str, root: Path = PATCH_ROOT) -> Patch:
         candidates = sorted(root.glob(f"*/{name}.patch"))
     candidates = [c for c in candidates if c.exists()]
     if not candidates:
-        known = ", ".join(p.stem for p in sorted(root.glob("*/*.patch"))) or "none"
-        raise PatchError(f"no patch named {name!r} under {root}/ (known: {known})")
+        names = [p.stem for p in sorted(root.glob("*/*.patch"))]
+        raise PatchError(f"no patch named {name!r} under {root}/{did_you_mean(name, names)} (known: "
+                         f"{', '.join(names) or 'none'})")
     if len(candidates) > 1:
         raise PatchError(f"patch name {name!r} is ambiguous: {', '.join(map(str, candidates))}; use DIST/NAME")
     return load_patch(candidates[0])

@@ -37,7 +37,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import ServopsError
+from .errors import ServopsError, did_you_mean
 from .schema import FLAG, VARIANT, load_mapping
 
 PLAYBOOK_ROOT = Path(os.environ.get("SERVOPS_PLAYBOOKS") or Path(__file__).resolve().parent.parent / "playbooks")
@@ -49,6 +49,7 @@ _LISTS = ("patches", "crash_signatures")
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
 WHEN_KEYS = ("sglang", "note", "refuse", "rename", "server_args", "env", "health")
+MAX_SPECIFIER_CHARS = 1000
 _WHEN_MAPS = ("server_args", "env", "health")
 
 
@@ -61,8 +62,9 @@ def _read(name: str, root: Path) -> dict:
         raise VariantError(f"variant name {name!r}: use letters, digits, '.', '_' or '-'")
     path = root / f"{name}.yml"
     if not path.exists():
-        known = ", ".join(sorted(p.stem for p in root.glob("*.yml"))) or "none"
-        raise VariantError(f"unknown variant {name!r}: no {path} (known: {known})")
+        names = sorted(p.stem for p in root.glob("*.yml"))
+        raise VariantError(f"unknown variant {name!r}{did_you_mean(name, names)} (no {path}; known: "
+                           f"{', '.join(names) or 'none'})")
     # types, ranges, env names, flag names, regexes: one line naming the file and key
     data = load_mapping(path, VARIANT, VariantError)
     if data.get("when") is not None:
@@ -86,6 +88,9 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
         spec = rule.get("sglang")
         if not isinstance(spec, str) or not spec.strip():
             raise VariantError(f"{where}.sglang: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
+        if len(spec) > MAX_SPECIFIER_CHARS:  # a version of thousands of digits cannot even be compared
+            raise VariantError(f"{where}.sglang: a specifier of {len(spec):,} characters; at most "
+                               f"{MAX_SPECIFIER_CHARS} (e.g. '>=0.5.15,<0.5.23')")
         try:
             parsed = SpecifierSet(spec)
         except InvalidSpecifier:

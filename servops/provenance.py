@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import getpass
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -18,10 +20,22 @@ def git_sha() -> str | None:
         return None
 
 
+@functools.cache
 def operator() -> str:
-    """`user@machine` of whoever runs servops (recorded in locks, releases and the host journal)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
+    """Who runs servops, as locks, releases and the host journal record it: $SERVOPS_OPERATOR,
+    else the checkout's git user.email (two people sharing one account differ there), else
+    `user@machine`. A name of control or odd characters is cut down to printable text."""
+    who = os.environ.get("SERVOPS_OPERATOR", "").strip()
+    if not who:
+        try:
+            who = subprocess.run(["git", "config", "user.email"], cwd=REPO, capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            who = ""
+    if not who:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = "unknown"
+        who = f"{user}@{socket.gethostname()}"
+    return "".join(ch for ch in who if ch.isprintable())[:200] or "unknown"

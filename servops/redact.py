@@ -7,7 +7,7 @@ or the inventory lists the name under `secret_vars`.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 MASK = "***"
 _FLAG_VALUE = re.compile(r"--([A-Za-z0-9][A-Za-z0-9_-]*)(?:=|\s+)(?!-)(\S+)")
@@ -105,3 +105,17 @@ class Redactor:
         for s in self.secrets:
             text = text.replace(s, MASK)
         return text
+
+
+def redact_values(obj: Any, redactor: Callable[[str], str]) -> Any:
+    """`obj` (JSON-like) with every string passed through `redactor`: what a file servops writes
+    holds (a JSON text masked as a whole misses a secret JSON escaping changed)."""
+    if isinstance(obj, str):
+        return redactor(obj)
+    if isinstance(obj, dict):
+        return {k: redact_values(v, redactor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        if obj and not isinstance(obj[0], (str, dict, list)):
+            return obj  # numbers: nothing to mask
+        return [redact_values(v, redactor) for v in obj]
+    return obj

@@ -20,6 +20,13 @@ def deploy_root(host: Host) -> str:
     return str(host.get("deploy_root") or "~/.servops/deploy")
 
 
+class GuardTookOver(RemoteError):
+    """The host's guard took over a deploy (its controller's lease ran out): servops stands down."""
+
+
+_TOOK_OVER = "GUARD-TOOK-OVER: "
+
+
 def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
         on_progress: Callable[[dict], None] | None = None, **args: Any) -> dict:
     args = dict(args, op=op, deploy_root=deploy_root(hs.host))
@@ -27,7 +34,15 @@ def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
     # start, say): SERVOPS_INJECT_FAILURE=OP:RELEASE_SUFFIX makes that host op fail.
     if os.environ.get("SERVOPS_INJECT_FAILURE"):
         args["_fail"] = os.environ["SERVOPS_INJECT_FAILURE"]
-    return check_reply(hs, op, run_program(hs, "deploy_ctl", args, timeout=ssh_timeout, on_progress=on_progress))
+    if os.environ.get("SERVOPS_FAULT"):  # crash tests: the host program SIGKILLs itself at a named point
+        args["_fault"] = os.environ["SERVOPS_FAULT"]
+    try:
+        reply = run_program(hs, "deploy_ctl", args, timeout=ssh_timeout, on_progress=on_progress)
+    except RemoteError as exc:
+        if _TOOK_OVER in str(exc):
+            raise GuardTookOver(str(exc).replace(_TOOK_OVER, "")) from None
+        raise
+    return check_reply(hs, op, reply)
 
 
 def check_reply(hs: HostSession, op: str, data: dict) -> dict:
@@ -68,9 +83,14 @@ def check_reply(hs: HostSession, op: str, data: dict) -> dict:
                         bad(f"{where}release is not an object")
                 else:
                     walk(d[key], f"{where}{key}.")
-        for key in ("lines", "entries"):
+        for key in ("lines", "entries", "problems"):
             if key in d and not isinstance(d[key], list):
                 bad(f"{where}{key} is not a list")
+        for key, fields in (("unfinished", ("release", "guard", "detail")), ("leftovers", ("release",))):
+            for item in d.get(key) or []:
+                if not isinstance(item, dict) or not all(isinstance(item.get(f), str) for f in fields):
+                    bad(f"{where}{key} holds a malformed record")
+                name_ok(item["release"], f"{where}{key}[].release", optional=False)
         if "results" in d:
             if not isinstance(d["results"], list):
                 bad(f"{where}results is not a list")

@@ -48,11 +48,14 @@ class Field:
 def _describe(f: Field) -> str:
     if f.what:
         return f.what
+    def num(x: float) -> str:
+        return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
     rng = ""
     if f.low is not None and f.high is not None:
-        rng = f" {f.low:g}-{f.high:g}"
+        rng = f" {num(f.low)} to {num(f.high)}"
     elif f.low is not None:
-        rng = f" >= {f.low:g}"
+        rng = f" >= {num(f.low)}"
     return {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a single-line string",
             "path": "a path", "name": "a name", "list": "a list", "map": "a mapping",
             "record": "a mapping"}.get(f.kind, "a value") + rng
@@ -143,6 +146,51 @@ def _scalar_or_list(value: Any) -> str | None:
     return None
 
 
+def parse_duration(value: Any) -> str | None:
+    """'90m', '6h', '1h30m', '45s' or a number of seconds -> an error message, or None when valid."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return None
+    if isinstance(value, str) and re.fullmatch(r"\s*(\d+(\.\d+)?\s*[hms]\s*)+", value):
+        return None
+    return "expected a duration like 90m, 6h, 1h30m or seconds"
+
+
+def seconds(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, _f, u in re.findall(r"(\d+(\.\d+)?)\s*([hms])", value))
+
+
+DEFAULT_PERSIST = 600.0
+_PERSIST_EXPECTED = "expected a duration like 10m, 30s or 1h30m, seconds, or 0/false (no persistent connection)"
+
+
+def persist_seconds(value: Any) -> float:
+    """`persist` (how long a host's connection agent outlives its last command) in seconds:
+    a duration ('10m', '30s', '1h30m'), a number of seconds, true (10m) or false/0 (none)."""
+    if isinstance(value, bool):
+        return DEFAULT_PERSIST if value else 0.0
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("no", "off", "false"):
+            return 0.0
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            value = float(text)
+    if isinstance(value, (int, float)) and value == 0:
+        return 0.0
+    if parse_duration(value) or seconds(value) == float("inf"):
+        raise SchemaError(_PERSIST_EXPECTED)
+    return seconds(value)
+
+
+def _persist_problem(value: Any) -> str | None:
+    try:
+        persist_seconds(value)
+    except SchemaError:
+        return _PERSIST_EXPECTED
+    return None
+
+
 PORT = Field("int", 1, 65535, what="a port 1-65535")
 POSITIVE = Field("number", low=0.001, what="a number above 0")
 ENV = Field("map", keys=ENV_NAME, keys_what="an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
@@ -167,6 +215,7 @@ INVENTORY_VARS = {
     "tp": Field("int", 1, 1024),
     "env": ENV,
     "connect_timeout": POSITIVE,
+    "persist": Field("any", check=_persist_problem),
     "command_timeout": POSITIVE,
     "health_timeout": POSITIVE,
     "lease_timeout": Field("number", low=5, what="a number of seconds >= 5"),
@@ -317,11 +366,51 @@ def _expanded_size(obj: Any, memo: dict, path: set) -> int:
     return total
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing what it would silently resolve: a key given twice in one
+    mapping (the last one would win: the same host twice with different ports) and an integer
+    too long to convert (Python's 4,300-digit limit: a raw ValueError)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _value in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *defaults`: keys given here override the merged ones, as meant
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: the base class says so
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping (first at line {first + 1}); "
+                        f"the last would silently win", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        try:
+            value = super().construct_yaml_int(node)
+        except ValueError:  # only past int()'s digit limit: YAML's int pattern matched already
+            value = None
+        # 0x... has no digit limit, but such a number could not be printed in an error message
+        if value is None or value.bit_length() > 14_000:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(str(node.value)):,} characters; give a number of sane size",
+                node.start_mark)
+        return value
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
 def load_yaml(text: str, where, error: type[ServopsError]) -> Any:
     """safe_load, with the problems a hostile file can pose as one line each: invalid YAML,
-    nesting too deep, aliases that expand to millions of values, a recursive alias."""
+    nesting too deep, aliases that expand to millions of values, a recursive alias, a key given
+    twice, an integer of thousands of digits."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise error(f"{where}: invalid YAML{f' at line {mark.line + 1}' if mark else ''}: "

@@ -6,14 +6,26 @@ retried once with that patch. A trial whose launch script and patch set equal a 
 trial's is not run again. The base is re-benched at the end of a long campaign (drift).
 
 Every phase is written, before and after, to `results/<host>/campaigns/<name>/trials.jsonl`
-here AND to the host's journal. `--resume` reads the local log: finished trials are not
+here (chained lines, servops.remote.jsonl: a damaged line is skipped and named, never a
+traceback) AND to the host's journal. `--resume` reads the local log: finished trials are not
 repeated; the interrupted one is finished (its release is current and healthy: bench it) or
 run again (the deploy it was in was rolled back, by the controller or the host's guard).
+
+A trial takes the lead only when it beats the incumbent by more than `min_gain` (the campaign's
+objective.min_gain; by default the noise measured by benching the base twice, or 2% without
+that): a smaller difference is a tie, and the incumbent stays.
+
+Output: one line per trial phase (deploy, bench, diagnose, done) with the elapsed time and an
+ETA (the mean trial time x the trials left), a summary table at the end; `-v` adds what the
+deploy and the bench print themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +34,16 @@ from . import bench, interrupt, localfiles, releases
 from .campaign import Campaign, Trial, _layer
 from .deploy import deploy_group, preflight
 from .errors import ServopsError
-from .output import console
+from .gate import num
+from .output import console, err_console, is_tty, make_console
 from .provenance import git_sha, operator
-from .redact import variant_secrets
+from .redact import redact_values, variant_secrets
+from .remote import jsonl
 from .render import render_launch
 from .transport import HostSession
+
+DEFAULT_MIN_GAIN = 0.02  # without a repeat of the base, a smaller difference is a tie
+CRASHES = ("crashed", "timeout")  # deploy states whose server ran, so its log can be diagnosed
 
 
 class TuneError(ServopsError):
@@ -41,16 +58,59 @@ def log_path(host: str, name: str) -> Path:
     return campaign_dir(host, name) / "trials.jsonl"
 
 
-def read_log(path: Path) -> list[dict]:
-    entries = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # a line cut by a kill mid-write
-            if isinstance(entry, dict):  # a hand-edited or damaged line is skipped, not a traceback
-                entries.append(entry)
+# What tune reads from a trials.jsonl entry, by type: a line of another shape (hand-edited,
+# damaged, planted) is skipped and named, not a KeyError in the middle of --resume.
+_TEXT = ("trial", "label", "outcome", "reason", "release", "result_path", "same_as", "identity", "retry_patch",
+         "script", "campaign")
+_NUMBERS = ("seconds", "deploy_s", "bench_s", "before", "after", "drift_pct")
+_LISTS = ("violations", "constraints", "findings", "objective_ci")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def entry_problem(e: dict) -> str | None:
+    """Why a trials.jsonl entry is not one tune writes (None: it is one)."""
+    if not isinstance(e.get("phase"), str):
+        return "no phase"
+    for keys, test, what in ((_TEXT, lambda v: isinstance(v, str), "text"), (_NUMBERS, _is_number, "a number"),
+                             (_LISTS, lambda v: isinstance(v, list), "a list"),
+                             (("metrics", "spec", "noise"), lambda v: isinstance(v, dict), "an object")):
+        for k in keys:
+            if e.get(k) is not None and not test(e[k]):
+                return f"{k} is not {what}"
+    for lv, m in (e.get("metrics") or {}).items():
+        if not isinstance(m, dict) or not all(_is_number(v) or (isinstance(v, list) and all(map(_is_number, v)))
+                                              for v in m.values()):
+            return f"metrics.{str(lv)[:20]} is not an object of numbers"
+    for f in e.get("findings") or []:
+        if not isinstance(f, dict) or not isinstance(f.get("suggest") or {}, dict) or not all(
+                isinstance(f.get(k) or "", str) for k in ("entry", "category", "title", "root_exception",
+                                                        "final_exception", "error")):
+            return "a finding is not an object of text"
+    if not all(isinstance(v, str) for v in (e.get("violations") or []) + (e.get("constraints") or [])):
+        return "violations/constraints are not text"
+    spec = e.get("spec") or {}
+    if not (isinstance(spec.get("server_args") or {}, dict) and isinstance(spec.get("env") or "", str)
+            and isinstance(spec.get("patches") or [], list)):
+        return "spec is not what tune writes"
+    if e.get("noise") is not None and not _is_number(e["noise"].get("band")):
+        return "noise.band is not a number"
+    if e["phase"] != "campaign" and e.get("objective") is not None and not _is_number(e["objective"]):
+        return "objective is not a number"  # (the campaign's first entry names it: text)
+    return None
+
+
+def read_log(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """The log's entries (damaged lines skipped); `problems` receives what was skipped or broken,
+    as sentences."""
+    try:
+        entries, report = jsonl.read_entries(str(path), entry_problem)
+    except jsonl.FileProblem as exc:
+        raise TuneError(str(exc)) from None
+    if problems is not None:
+        problems.extend(f"{path}: {line}" for line in jsonl.describe(report))
     return entries
 
 
@@ -81,12 +141,14 @@ class Journal:
 
     def __init__(self, hs: HostSession, camp: Campaign, path: Path):
         self.hs, self.camp, self.path = hs, camp, path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        localfiles.private_dir(path.parent)
 
     def write(self, entry: dict) -> dict:
         entry = dict(entry, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), campaign=self.camp.name)
-        line = self.hs.redactor(json.dumps(entry, sort_keys=True))
-        localfiles.append_text(self.path, line + "\n")
+        try:
+            entry = jsonl.append_entry(str(self.path), redact_values(entry, self.hs.redactor))
+        except jsonl.FileProblem as exc:
+            raise TuneError(str(exc)) from None
         host_entry = {"action": "tune." + entry["phase"], "who": operator(), "campaign": self.camp.name,
                       "trial": entry.get("trial"), "release": entry.get("release"), "outcome": entry.get("outcome"),
                       "detail": entry.get("label") or entry.get("reason")}
@@ -99,43 +161,134 @@ class Journal:
 
 
 class Clock:
-    """Elapsed time, the measured cost of a restart and of a bench, and the ETA they give."""
+    """Elapsed time and the ETA: the mean time of the trials run so far x the trials left."""
 
     def __init__(self, prior: list[dict]):
         self.started = time.monotonic()
-        self.prior_s = sum(e.get("seconds", 0.0) for e in prior if e.get("phase") == "done")
-        self.deploys = [e["deploy_s"] for e in prior if e.get("phase") == "done" and e.get("deploy_s")]
-        self.benches = [e["bench_s"] for e in prior if e.get("phase") == "done" and e.get("bench_s")]
+        runs = [e["seconds"] for e in prior if e.get("phase") == "done" and e.get("outcome") != "duplicate"
+                and e.get("seconds")]
+        self.prior_s = sum(runs)
+        self.trial_s = list(runs)
 
     def elapsed(self) -> float:
         return self.prior_s + time.monotonic() - self.started
 
-    def eta(self, remaining: int) -> float | None:
-        if not self.deploys:
-            return None
-        per = sum(self.deploys) / len(self.deploys) + (sum(self.benches) / len(self.benches) if self.benches else 0.0)
-        return per * remaining
+    def trial_done(self, seconds: float) -> None:
+        self.trial_s.append(seconds)
+
+    def eta(self, remaining: int) -> str:
+        if not self.trial_s:
+            return "ETA after the first trial"
+        per = sum(self.trial_s) / len(self.trial_s)
+        return f"ETA {_clock(per * remaining)} ({remaining} left x {_clock(per)})" if remaining else "last trial"
 
 
-def _clock(s: float | None) -> str:
-    if s is None:
-        return "?"
+def _clock(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+# -- the incumbent and ties ---------------------------------------------------------------------
+
+def improvement(camp: Campaign, value: float, incumbent: float) -> float:
+    """How much better `value` is than `incumbent` on the objective, as a share (negative: worse)."""
+    if incumbent == 0:
+        return 0.0 if value == 0 else (float("inf") if camp.objective.better(value, incumbent) else float("-inf"))
+    change = (value - incumbent) / abs(incumbent)
+    return change if camp.objective.sense == "maximize" else -change
+
+
+def min_gain(camp: Campaign, done: list[dict]) -> tuple[float, str]:
+    """(the share a trial must beat the incumbent by, where it comes from)."""
+    if camp.min_gain is not None:
+        return camp.min_gain, "the campaign's min_gain"
+    base = next((e for e in done if e.get("trial") == "base" and e.get("noise")), None)
+    if base:
+        return float(base["noise"]["band"]), base["noise"].get("how") or "the base's noise"
+    return DEFAULT_MIN_GAIN, "no repeat of the base measured the noise"
+
+
+def standings(camp: Campaign, done: list[dict], gain: float) -> tuple[dict | None, dict[str, str]]:
+    """Replay the feasible trials in the order they ran: a trial takes the lead only when it
+    beats the incumbent by more than `gain`; a smaller difference is a tie the incumbent keeps.
+    Returns (the winner's done entry, each feasible trial's verdict when it finished)."""
+    best, verdicts = None, {}
+    for e in done:
+        if e.get("outcome") != "ok" or e.get("objective") is None or str(e.get("trial")).startswith("drift"):
+            continue
+        if best is None:
+            best, verdicts[e["trial"]] = e, "first feasible trial: the incumbent"
+            continue
+        g = improvement(camp, e["objective"], best["objective"])
+        if g > gain:
+            verdicts[e["trial"]] = f"{g * 100:+.1f}% over {best['trial']}: the new best"
+            best = e
+        elif g >= -gain:
+            verdicts[e["trial"]] = (f"tie: {g * 100:+.1f}% vs {best['trial']}, within min_gain {gain * 100:.1f}%; "
+                                    f"{best['trial']} stays best")
+        else:
+            verdicts[e["trial"]] = f"{g * 100:+.1f}% vs {best['trial']}"
+    return best, verdicts
+
+
+def objective_text(camp: Campaign, value: float | None, ci: list | None) -> str:
+    """`output_tps@16 = 1,234 ±12` (the 95% interval's half-width, where repeats gave one)."""
+    if value is None:
+        return f"{camp.objective.written} not measured"
+    spread = f" ±{num((ci[1] - ci[0]) / 2)}" if ci else ""
+    return f"{camp.objective.written} = {num(value)}{spread}"
+
+
+# -- output for people ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def held_back(verbose: bool, status: str = ""):
+    """Unless -v, what deploy and bench print themselves (their phase lines, the health wait, a
+    crash excerpt) is held back: the campaign prints one line per phase. It is printed after all
+    when the phase ends in an error tune does not handle. On a terminal `status` shows meanwhile."""
+    if verbose:
+        yield
+        return
+    live = None
+    if status and is_tty():
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        # bound to the terminal itself, and not redirecting it: the redirect below is ours
+        live = Live(Spinner("dots", status), console=make_console(file=sys.stdout), transient=True,
+                    redirect_stdout=False, redirect_stderr=False)
+        live.start()
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            yield
+    except Exception:
+        sys.stderr.write(buf.getvalue())
+        raise
+    finally:
+        if live:
+            live.stop()
+
+
 def evaluate(camp: Campaign, result: dict, base_result: dict | None) -> dict:
-    """Feasibility (constraints, failures included) and the objective's value, for one bench."""
-    from .gate import evaluate as gate_evaluate
+    """Feasibility (constraints, failures included) and the objective's value (with its 95%
+    interval where repeats gave one), for one bench. `violations`: what failed, measured against
+    its bound (`p99_ttft_ms@16 = 742.2 > 300`); `constraints`: every condition's line."""
+    from .gate import verdicts, violation
 
     lookup = lambda name: base_result if name == "base" else None  # noqa: E731
     try:
-        passed, lines = gate_evaluate(camp.constraints, result, lookup)
+        vs = verdicts(camp.constraints, result, lookup)
+        passed = all(v.ok for v in vs)
+        lines = [f"{'pass' if v.ok else 'FAIL'}: {v.cond} ({v.detail})" for v in vs]
+        failed = [violation(v) for v in vs if not v.ok]
     except ServopsError as exc:
-        passed, lines = False, [f"FAIL: {exc}"]
+        passed, lines, failed = False, [f"FAIL: {exc}"], [str(exc)]
     value = camp.objective.value(result)
+    lv = next((l for l in result.get("levels", []) if l.get("concurrency") == camp.objective.level), {})
     return {"feasible": bool(passed and value is not None), "objective": value,
-            "constraints": lines, "violations": [l for l in lines if l.startswith("FAIL")]}
+            "objective_ci": (lv.get("ci95") or {}).get(camp.objective.metric), "constraints": lines,
+            "violations": failed}
 
 
 def key_metrics(result: dict) -> dict:
@@ -145,8 +298,8 @@ def key_metrics(result: dict) -> dict:
     out = {}
     for lv in result.get("levels", []):
         row = {k: lv.get(k) for k in keep if lv.get(k) is not None}
-        for k in ("output_tps", "ttft_p99"):
-            ci = (lv.get("ci") or {}).get(k)
+        for k in keep:
+            ci = (lv.get("ci95") or {}).get(k)
             if ci:
                 row[f"{k}_ci"] = ci
         out[str(lv["concurrency"])] = row
@@ -154,7 +307,7 @@ def key_metrics(result: dict) -> dict:
 
 
 def diagnose_release(hs: HostSession, release: str) -> list[dict]:
-    """The failed release's findings, each with its best known-issue match."""
+    """The failed release's findings, each with its best known-issue match and its last frames."""
     from . import diagnose as dg
 
     res = dg.diagnose(hs, release)
@@ -163,30 +316,47 @@ def diagnose_release(hs: HostSession, release: str) -> list[dict]:
     for f in res["scan"]["findings"]:
         hits = dg.match(f, issues)
         top = hits[0] if hits else None
+        frames = [f"{fr['func']} ({fr['path']}:{fr['line']})" for fr in dg.finding_frames(f)[-3:]]
         out.append({"entry": top and top["id"], "category": top and top["category"],
                     "title": top and top["title"], "suggest": (top or {}).get("suggest") or {},
                     "root_exception": hs.redactor(str(f.get("root_exception") or "")),
                     "final_exception": hs.redactor(str(f.get("final_exception") or "")),
-                    "ranks": f.get("ranks") or []})
+                    "last_frames": [hs.redactor(x) for x in frames], "ranks": f.get("ranks") or []})
     return out
+
+
+def diagnosis_line(findings: list[dict], fallback: str) -> str:
+    """A crash in one line: the known issue and the exception, or what is known of it."""
+    f = next((f for f in findings if f.get("entry")), findings[0] if findings else None)
+    if f is None:
+        return fallback
+    if f.get("error"):
+        return f"not diagnosed ({f['error']})"
+    exception = f.get("final_exception") or f.get("root_exception") or ""
+    if f.get("entry"):
+        return f"{f['entry']} ({f['category']}): {exception}"
+    return f"no known issue matched: {exception}"
 
 
 def bench_kwargs(camp: Campaign) -> dict:
     b = camp.bench
     dataset = bench.load_dataset(b.get("dataset", "random"), b.get("dataset_path", ""), b.get("seed", 42))
     kwargs = {"requests": b.get("requests", 0), "input_len": b.get("input_len", 128), "output_len": b.get("output_len", 128),
-              "dataset": dataset, "repeat": b.get("repeat", 1), "warmup": b.get("warmup", 1), "seed": b.get("seed", 42),
-              "range_ratio": b.get("range_ratio", 1.0), "request_rate": b.get("request_rate")}
+              "dataset": dataset, "repeat": b.get("repeat", 1), "warmup": bench.parse_warmup(b.get("warmup", "auto")),
+              "seed": b.get("seed", 42), "range_ratio": b.get("range_ratio", 1.0), "request_rate": b.get("request_rate")}
     if b.get("slo"):
         kwargs["slo"] = bench.parse_slo(b["slo"])
     return kwargs
 
 
 class Runner:
-    def __init__(self, hs: HostSession, camp: Campaign, resume: bool):
-        self.hs, self.camp = hs, camp
+    def __init__(self, hs: HostSession, camp: Campaign, resume: bool, verbose: bool = False):
+        self.hs, self.camp, self.verbose = hs, camp, verbose
         self.path = log_path(hs.host.name, camp.name)
-        prior = read_log(self.path)
+        problems: list[str] = []
+        prior = read_log(self.path, problems)
+        for line in problems:
+            err_console.print(f"warning: {line}", markup=False, highlight=False)
         if prior and not resume:
             raise TuneError(f"{self.path} already holds {len(prior)} entries of campaign {camp.name}: continue with "
                             f"--resume, or start over with --restart")
@@ -202,14 +372,21 @@ class Runner:
             hs.redactor.add(variant_secrets(t.variant, hs.host.get("secret_vars") or ()))
         self.identities: dict[str, str] = {}
         self.scripts: dict[str, str] = {}
+        self.id_width = min(max(len(t.id) for t in self.trials), 28)  # one column for the phase lines
 
     # -- up front: every candidate passes the launch preflight before the first restart --------
 
     def preflight_all(self) -> None:
-        console.print(f"tune {self.camp.name}: {len(self.trials)} trial(s); launch preflight of every candidate "
-                      f"on {self.hs.host.name}", markup=False)
-        for t in self.trials:
-            self._check(t)
+        t0 = time.monotonic()
+        with held_back(self.verbose, f"launch preflight of {len(self.trials)} trial(s) on {self.hs.host.name}"):
+            for t in self.trials:
+                self._check(t)
+        done = self.done_entries()
+        gain, how = min_gain(self.camp, done)
+        later = self.camp.min_gain is None and not any(e.get("trial") == "base" for e in done)
+        self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} trial(s), every launch preflighted "
+                 f"in {time.monotonic() - t0:.1f}s; {self.camp.objective.sense} {self.camp.objective.written}; "
+                 + ("min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"))
 
     def _check(self, t: Trial) -> None:
         try:
@@ -233,13 +410,66 @@ class Runner:
             rows.append({"trial": t.id, "label": t.label, "state": state, "patches": ", ".join(t.variant["patches"]) or "-"})
         return rows
 
+    # -- output: one line per trial phase ----------------------------------------------------------
+
+    @staticmethod
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    def phase(self, t: Trial | None, k: int, name: str, text: str) -> None:
+        """`[2/7] grid-8   deploy   healthy in 4.5s (...)`; campaign-wide phases leave the trial out."""
+        counter = f"[{k}/{len(self.trials)}]" if t else ""
+        self.say(f"{counter:<7} {t.id if t else '':<{self.id_width}} {name:<8} {text}")
+
+    def remaining(self, k: int, executed: int) -> int:
+        """Trials left to run after trial k (not done yet), within max_trials."""
+        left = sum(1 for t in self.trials[k:] if not (self.states.get(t.id) and self.states[t.id].done))
+        if self.camp.max_trials is not None:
+            left = min(left, max(0, self.camp.max_trials - executed))
+        return left
+
+    def done_text(self, done: dict, verdicts: dict[str, str]) -> str:
+        outcome = done["outcome"]
+        if outcome == "ok":
+            return (f"feasible, {objective_text(self.camp, done.get('objective'), done.get('objective_ci'))}: "
+                    f"{verdicts.get(done['trial'], '')}")
+        if outcome == "infeasible":
+            return "violates " + "; ".join(done.get("violations") or [])
+        if outcome == "crashed":
+            return "crashed" + (f"; retried with patch {done['retry_patch']}" if done.get("retry_patch")
+                                and self.camp.auto_patch else "")
+        return f"{outcome}: {done.get('reason') or ''}"
+
     # -- the loop -------------------------------------------------------------------------------
 
+    # -- releases the campaign relies on are pinned on the host: never pruned ---------------------
+
+    def pin(self, release: str | None, role: str, unpin: bool = False) -> None:
+        if not release:
+            return
+        try:
+            releases.ctl(self.hs, "pin", name=release, why=f"campaign {self.camp.name}: {role}", unpin=unpin)
+        except ServopsError as exc:
+            console.print(f"tune: warning: could not {'un' if unpin else ''}pin {release} ({role}): {exc}",
+                          markup=False)
+
+    def pin_best(self) -> None:
+        """The best feasible trial's release is pinned as `best` (and the previous best unpinned)."""
+        best = self.best()
+        release = best and best.get("release")
+        if release != self._best_release:
+            self.pin(self._best_release, "best", unpin=True)
+            self.pin(release, "best")
+            self._best_release = release
+
     def run(self) -> dict:
+        self._best_release = (self.best() or {}).get("release") if self.prior else None
+        self.ran_now = 0
         if not self.prior:
             self.journal.write({"phase": "campaign", "outcome": "started", "servops_git": git_sha(),
                                 "trials": [{"trial": t.id, "label": t.label} for t in self.trials],
                                 "objective": self.camp.objective.written})
+            self.pin(releases.ctl(self.hs, "status").get("current"), "current when it started")
         self.preflight_all()
         executed = sum(1 for s in self.states.values() if s.done and s.done.get("outcome") != "duplicate")
         i = 0
@@ -251,21 +481,29 @@ class Runner:
                 self._maybe_queue_retry(t, state.done)
                 continue
             if self.camp.max_trials is not None and executed >= self.camp.max_trials:
-                console.print(f"tune: budget: {executed} trials run (max_trials {self.camp.max_trials}); stopping",
-                              markup=False)
+                self.say(f"tune: budget: {executed} trials run (max_trials {self.camp.max_trials}); stopping")
                 break
             if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
-                console.print(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping", markup=False)
+                self.say(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping")
                 break
             twin = self._finished_twin(t)
             if twin:
                 self.journal.write({"trial": t.id, "phase": "done", "label": t.label, "outcome": "duplicate",
                                     "same_as": twin, "identity": self.identities.get(t.id)})
-                console.print(f"tune: {t.id}: same launch script and patches as {twin}; not run again", markup=False)
+                self.phase(t, i, "done", f"same launch script and patches as {twin}: not run again")
                 continue
             done = self.run_trial(t, i, state)
             executed += 1
+            self.ran_now += 1
+            self.clock.trial_done(done.get("seconds") or 0.0)
+            if t.id == "base" and done.get("release"):
+                self.pin(done["release"], "base")
+            self.pin_best()
             self._maybe_queue_retry(t, done)
+            self.states[t.id] = TrialState(t.id, [done])
+            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            self.phase(t, i, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
+                                     f"{self.clock.eta(self.remaining(i, executed))}")
             if interrupt.requested():
                 raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
                                 f"-H {self.hs.host.name} --resume")
@@ -294,82 +532,121 @@ class Runner:
         self._check(retry)
         self.trials.insert(self.trials.index(t) + 1, retry)
 
-    def _progress(self, t: Trial, k: int, phase: str) -> None:
-        remaining = max(0, len(self.trials) - k + 1)
-        best = self.best()
-        best_text = (f"best so far: {best['trial']} {self.camp.objective.written} = {best['objective']:.4g}"
-                     if best else "no feasible trial yet")
-        console.print(f"tune  trial {k}/{len(self.trials)} {t.id}  {phase:<8} elapsed {_clock(self.clock.elapsed())}"
-                      f"  ETA {_clock(self.clock.eta(remaining))}  {best_text}", markup=False, highlight=False)
-
-    def run_trial(self, t: Trial, k: int, state: TrialState | None) -> dict:
-        t0 = time.monotonic()
-        base = {"trial": t.id, "label": t.label, "identity": self.identities.get(t.id)}
+    def _deploy(self, t: Trial, k: int, base: dict, state: TrialState | None) -> tuple[dict, float]:
+        """The trial's release, deployed (or found still healthy from before an interruption)."""
         resumed = self._resumable(state)
         if resumed:
-            console.print(f"tune: {t.id} was interrupted after a healthy deploy of {resumed['release']}: "
-                          f"finishing it (bench)", markup=False)
-            record, deploy_s = resumed, resumed.get("deploy_s", 0.0)
-        else:
-            if state:
-                console.print(f"tune: {t.id} was interrupted; running it again", markup=False)
-            self.journal.write(dict(base, phase="start", spec={"variant": t.variant["name"], "overrides": t.overrides,
-                                                             "retry_of": t.retry_of,
-                                                             "server_args": t.variant["server_args"],
-                                                             "env": self.hs.redactor(json.dumps(t.variant["env"])),
-                                                             "patches": t.variant["patches"]},
-                                    script=self.hs.redactor(self.scripts.get(t.id, ""))))
-            self._progress(t, k, "deploy")
-            record: dict = {}
-            d0 = time.monotonic()
+            self.phase(t, k, "resume", f"interrupted after a healthy deploy of {resumed['release']}: benching it")
+            return resumed, resumed.get("deploy_s") or 0.0
+        if state:
+            self.phase(t, k, "resume", "interrupted before it finished: running it again")
+        self.journal.write(dict(base, phase="start", spec={"variant": t.variant["name"], "overrides": t.overrides,
+                                                         "retry_of": t.retry_of,
+                                                         "server_args": t.variant["server_args"],
+                                                         "env": self.hs.redactor(json.dumps(t.variant["env"])),
+                                                         "patches": t.variant["patches"]},
+                                script=self.hs.redactor(self.scripts.get(t.id, ""))))
+        record: dict = {}
+        d0 = time.monotonic()
+        with held_back(self.verbose, f"[{k}/{len(self.trials)}] {t.id}: deploying"):
             try:
                 deploy_group([self.hs], t.variant, record=record)
             except ServopsError as exc:
                 record.update(state="failed", reason=str(exc))
-            if interrupt.requested():  # Ctrl-C in the deploy: it rolled back; the trial is not done
-                raise TuneError(f"interrupted in trial {t.id} ({record.get('reason')}); continue with "
-                                f"invoke tune {self.camp.name} -H {self.hs.host.name} --resume")
-            deploy_s = time.monotonic() - d0
-            self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
-                                    reason=record.get("reason"), deploy_s=round(deploy_s, 2)))
+        if interrupt.requested():  # Ctrl-C in the deploy: it rolled back; the trial is not done
+            raise TuneError(f"interrupted in trial {t.id} ({record.get('reason')}); continue with "
+                            f"invoke tune {self.camp.name} -H {self.hs.host.name} --resume")
+        deploy_s = time.monotonic() - d0
+        self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
+                                reason=record.get("reason"), deploy_s=round(deploy_s, 2)))
+        # a crash's reason is its diagnosis, on the next line; other failures say theirs here
+        self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s ({record.get('release') or 'no release'})"
+                   + ("" if record.get("state") in ("healthy",) + CRASHES else f": {record.get('reason')}"))
+        return record, deploy_s
+
+    def _bench(self, t: Trial, k: int, label: str | None = "bench") -> tuple[dict | None, str | None, float]:
+        """(result, why it failed, seconds) of one bench of the current release; its phase line
+        under `label` (None: the caller prints its own)."""
+        b0 = time.monotonic()
+        with held_back(self.verbose, f"[{k}/{len(self.trials)}] {t.id}: benching at "
+                                     f"{', '.join(map(str, self.camp.bench['levels']))}"):
+            try:
+                result, why = bench.run_bench(self.hs, self.camp.bench["levels"], **self.kwargs), None
+            except ServopsError as exc:
+                result, why = None, str(exc)
+        seconds = time.monotonic() - b0
+        if label is not None:
+            self.phase(t, k, label, self._bench_text(result, why, seconds))
+        return result, why, seconds
+
+    def _bench_text(self, result: dict | None, why: str | None, seconds: float) -> str:
+        if result is None:
+            return f"failed after {seconds:.1f}s: {why}"
+        lv = next((l for l in result["levels"] if l["concurrency"] == self.camp.objective.level), {})
+        runs = lv.get("repeats") or 1
+        value = objective_text(self.camp, self.camp.objective.value(result),
+                               (lv.get("ci95") or {}).get(self.camp.objective.metric))
+        return (f"{value} ({runs} run{'s' if runs > 1 else ''}; {sum(l['completed'] for l in result['levels'])} "
+                f"requests ok, {sum(l['failed'] for l in result['levels'])} failed, in {seconds:.1f}s)")
+
+    def _noise(self, t: Trial, k: int, result: dict, value: float | None) -> dict | None:
+        """The base's noise band, unless the campaign sets min_gain: the 95% interval of its
+        repeats, or (one run each) the spread of a second bench of the same release."""
+        if self.camp.min_gain is not None or t.id != "base" or not value:
+            return None
+        lv = next((l for l in result["levels"] if l["concurrency"] == self.camp.objective.level), {})
+        ci = (lv.get("ci95") or {}).get(self.camp.objective.metric)
+        if ci:
+            band = (ci[1] - ci[0]) / 2 / abs(value)
+            return {"band": band, "how": f"the 95% interval of the base's {lv.get('repeats')} runs: ±{band * 100:.1f}%"}
+        again, why, _s = self._bench(t, k, None)
+        second = again and self.camp.objective.value(again)
+        if not second:
+            self.phase(t, k, "noise", f"benched again: {why or 'no objective measured'}; min_gain "
+                                      f"{DEFAULT_MIN_GAIN * 100:g}%")
+            return None
+        band = abs(second - value) / ((abs(second) + abs(value)) / 2)
+        self.phase(t, k, "noise", f"benched again: {objective_text(self.camp, second, None)}; two runs of the base "
+                                  f"differ by {band * 100:.1f}%: min_gain {band * 100:.1f}%")
+        return {"band": band, "values": [value, second], "result_path": again["path"],
+                "how": f"two runs of the base: {num(value)} and {num(second)}, {band * 100:.1f}% apart"}
+
+    def run_trial(self, t: Trial, k: int, state: TrialState | None) -> dict:
+        t0 = time.monotonic()
+        base = {"trial": t.id, "label": t.label, "identity": self.identities.get(t.id)}
+        record, deploy_s = self._deploy(t, k, base, state)
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
         if record.get("state") == "healthy":
-            self._progress(t, k, "bench")
-            b0 = time.monotonic()
-            try:
-                result = bench.run_bench(self.hs, self.camp.bench["levels"], **self.kwargs)
-            except ServopsError as exc:
-                result = None
-                done.update(outcome="bench-failed", reason=str(exc))
-            bench_s = time.monotonic() - b0
-            if result is not None:
+            result, why, bench_s = self._bench(t, k)
+            if result is None:
+                done.update(outcome="bench-failed", reason=why)
+            else:
                 ev = evaluate(self.camp, result, self._base_result())
                 done.update(outcome="ok" if ev["feasible"] else "infeasible", result_path=result["path"],
                             metrics=key_metrics(result), bench_s=round(bench_s, 2), **ev)
                 self.journal.write(dict(base, phase="benched", release=record.get("release"),
                                         result_path=result["path"], bench_s=round(bench_s, 2)))
+                if ev["feasible"]:
+                    noise = self._noise(t, k, result, ev["objective"])
+                    if noise:
+                        done["noise"] = noise
         else:
             findings = []
-            if record.get("release"):
-                self._progress(t, k, "diagnose")
+            if record.get("release") and record.get("state") in CRASHES:  # the server ran: its log says why
                 try:
                     findings = diagnose_release(self.hs, record["release"])
                 except ServopsError as exc:
                     findings = [{"error": str(exc)}]
-            done.update(outcome="crashed" if record.get("state") in ("crashed", "timeout") else record.get("state") or "failed",
+                self.phase(t, k, "diagnose", f"{diagnosis_line(findings, record.get('reason') or '')}; see: invoke "
+                                             f"diagnose --release {record['release']} -H {self.hs.host.name}")
+            done.update(outcome="crashed" if record.get("state") in CRASHES else record.get("state") or "failed",
                         reason=record.get("reason"), findings=findings)
             self.journal.write(dict(base, phase="diagnosed", release=record.get("release"), findings=findings))
             patch = next((f["suggest"].get("patch") for f in findings if (f.get("suggest") or {}).get("patch")), None)
             if patch and patch not in t.variant["patches"]:
                 done["retry_patch"] = patch
         done["seconds"] = round(time.monotonic() - t0, 2)
-        entry = self.journal.write(done)
-        verdict = {"ok": "feasible", "infeasible": "violates: " + "; ".join(done.get("violations") or [])}.get(
-            done["outcome"], f"{done['outcome']}: {done.get('reason') or ''}")
-        value = done.get("objective")
-        console.print(f"tune: {t.id}: {verdict}" + (f"; {self.camp.objective.written} = {value:.4g}" if value is not None
-                                                    else ""), markup=False, highlight=False)
-        return entry
+        return self.journal.write(done)
 
     def _resumable(self, state: TrialState | None) -> dict | None:
         """An interrupted trial whose healthy release is still current: bench it instead of redeploying."""
@@ -394,24 +671,25 @@ class Runner:
         return bench.load_result(Path(d["result_path"])) if d else None
 
     def best(self) -> dict | None:
-        best = None
-        for e in self.done_entries():
-            if e.get("outcome") != "ok" or e.get("objective") is None or e["trial"].startswith("drift"):
-                continue
-            if best is None or self.camp.objective.better(e["objective"], best["objective"]):
-                best = e
-        return best
+        done = self.done_entries()
+        return standings(self.camp, done, min_gain(self.camp, done)[0])[0]
 
     def finish(self) -> dict:
+        from .tunereport import print_summary
+
         entries = read_log(self.path)
         summary = {"campaign": self.camp.name, "host": self.hs.host.name}
         if not any(e.get("phase") == "drift" for e in entries):
             self._drift_check()
         winner = self.best()
         summary["winner"] = winner and winner["trial"]
-        if not any(e.get("phase") == "leave" for e in entries):
+        left_now = not any(e.get("phase") == "leave" for e in entries)
+        if left_now:
             self._leave(winner)
         summary["log"] = str(self.path)
+        summary["changed"] = bool(self.ran_now or left_now)
+        summary["current"] = releases.ctl(self.hs, "status").get("current")
+        print_summary(self.hs.host.name, self.camp)
         return summary
 
     def _drift_check(self) -> None:
@@ -419,21 +697,27 @@ class Runner:
         base = next((e for e in self.done_entries() if e["trial"] == "base" and e.get("result_path")), None)
         if after is None or base is None or self.clock.elapsed() < after:
             return
-        console.print(f"tune: the campaign ran {_clock(self.clock.elapsed())} (> drift_check_after): re-benching the base",
-                      markup=False)
+        t = self.trials[0]
         record: dict = {}
-        deploy_group([self.hs], self.camp.trials[0].variant, record=record)
+        with held_back(self.verbose, f"drift: deploying the base again (the campaign ran {_clock(self.clock.elapsed())})"):
+            deploy_group([self.hs], self.camp.trials[0].variant, record=record)
         if record.get("state") != "healthy":
             self.journal.write({"phase": "drift", "outcome": "base unhealthy", "reason": record.get("reason")})
+            self.phase(None, 0, "drift", f"the base, deployed again, is {record.get('state')}: {record.get('reason')}")
             return
-        result = bench.run_bench(self.hs, self.camp.bench["levels"], **self.kwargs)
+        result, why, _s = self._bench(t, 1, None)
+        if result is None:
+            self.journal.write({"phase": "drift", "outcome": "bench failed", "reason": why})
+            self.phase(None, 0, "drift", f"the base's bench failed: {why}")
+            return
         before, now = base.get("objective"), self.camp.objective.value(result)
         drift = None if not before or now is None else (now - before) / before * 100.0
         self.journal.write({"phase": "drift", "outcome": "measured", "release": record.get("release"),
                             "result_path": result["path"], "before": before, "after": now,
                             "drift_pct": None if drift is None else round(drift, 2), "metrics": key_metrics(result)})
-        console.print(f"tune: base drifted {drift:+.1f}% on {self.camp.objective.written}" if drift is not None
-                      else "tune: base drift not measurable", markup=False)
+        self.phase(None, 0, "drift", f"the campaign ran {_clock(self.clock.elapsed())} (> drift_check_after): the base "
+                   + (f"drifted {drift:+.1f}% on {self.camp.objective.written} ({num(before)} -> {num(now)})"
+                      if drift is not None else "drift not measurable"))
 
     def _leave(self, winner: dict | None) -> None:
         want = "base" if self.camp.leave == "base" or winner is None else winner["trial"]
@@ -443,17 +727,41 @@ class Runner:
         if rel.get("variant") == trial.variant["name"] and status.get("healthy"):
             self.journal.write({"phase": "leave", "trial": None, "outcome": "kept", "release": status.get("current"),
                                 "label": f"{want} already deployed"})
-            console.print(f"tune: leaving {want} deployed ({status.get('current')})", markup=False)
+            self.phase(None, 0, "leave", f"{want} stays deployed ({status.get('current')})")
             return
         record: dict = {}
-        deploy_group([self.hs], trial.variant, record=record)
+        with held_back(self.verbose, f"leaving {want} deployed"):
+            earlier = self._release_of(want, trial)
+            if earlier:  # its release is still on the host, files unchanged: switch back, no upload
+                from .deploy import rollback
+
+                _status, message = rollback(self.hs, to=earlier)
+                record.update(release=earlier, state="healthy", reason=message)
+            else:
+                deploy_group([self.hs], trial.variant, record=record)
         self.journal.write({"phase": "leave", "trial": None, "outcome": record.get("state"),
                             "release": record.get("release"), "label": f"left {want} deployed"})
-        console.print(f"tune: left {want} deployed ({record.get('release')}, {record.get('state')})", markup=False)
+        self.phase(None, 0, "leave", f"left {want} deployed ({record.get('release')}, {record.get('state')})")
+
+    def _release_of(self, trial_id: str, trial: Trial) -> str | None:
+        """The release a finished trial ran, when it is still on the host and its launch files
+        equal what the trial renders to now."""
+        from .deploy import launch_identity
+
+        done = next((e for e in self.done_entries() if e["trial"] == trial_id and e.get("release")), None)
+        if not done:
+            return None
+        resolved, launch, _check = preflight(self.hs, trial.variant)
+        ours = launch_identity(self.hs, resolved, launch, list(resolved["patches"]))
+        names = sorted(set(ours) | {"launch.sh", "secrets.env"})
+        theirs = releases.ctl(self.hs, "identity", name=done["release"], files=names)
+        if theirs.get("name") != done["release"] or any((theirs.get("files") or {}).get(n) != ours.get(n) for n in names):
+            return None
+        return done["release"]
 
 
-def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False) -> dict:
-    return Runner(hs, camp, resume).run()
+def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False, verbose: bool = False) -> dict:
+    return Runner(hs, camp, resume, verbose).run()
 
 
 def plan_campaign(hs: HostSession, camp: Campaign) -> list[dict]:
@@ -477,4 +785,7 @@ def archive_log(host: str, name: str) -> Path | None:
         return None
     moved = path.with_name(f"trials-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.jsonl")
     path.rename(moved)
+    head = Path(jsonl.head_path(str(path)))
+    if head.exists():  # the chain's head goes with its log: the new one starts at entry 1
+        head.rename(jsonl.head_path(str(moved)))
     return moved

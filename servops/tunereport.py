@@ -1,10 +1,13 @@
-"""`invoke tune.report CAMPAIGN`: a campaign's trials as Markdown and one self-contained HTML page.
+"""`invoke tune.report CAMPAIGN`: a campaign's trials as Markdown and one self-contained HTML page,
+and the summary table `tune` prints at its end.
 
 Read from results/<host>/campaigns/<name>/trials.jsonl (and the bench files it names), nothing
-else: a table of trials (flags vs the base, patches, outcome, key metrics with their 95%
-intervals), throughput and latency per level per trial, the Pareto front, every crash with its
-diagnosis, the drift of the base, and the winner with its exact launch-script diff against the
-base. Plots are PNGs embedded as data: URIs, so the page opens anywhere.
+else: a table of trials (each changed flag against the base on its own line, patches, outcome,
+the objective with its 95% interval where repeats gave one and its change against the base, the
+other key metrics, the verdict), throughput and latency per level per trial, the Pareto front of
+each concurrency level, every crash with its diagnosis and exception line, the drift of the base,
+and the winner with its flags and exact launch-script diff against the base. Plots are PNGs
+embedded as data: URIs, so the page opens anywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from .campaign import Campaign
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
-from .tune import log_path, read_log, trial_states
+from .tune import diagnosis_line, log_path, min_gain, read_log, standings, trial_states
 
 METRIC_COLUMNS = (("output_tps", "output tok/s"), ("ttft_p99", "TTFT p99 ms"), ("tpot_p50", "TPOT p50 ms"),
                   ("e2e_p50", "e2e p50 ms"))
@@ -35,29 +38,36 @@ def fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
-def _flags_diff(base: dict, spec: dict) -> str:
-    """server_args/env that differ from the base trial's, as `--flag value` / `ENV=value`."""
+def _shown(value) -> str:
+    return "on" if value is True else "unset" if value is None else "off" if value is False else str(value)
+
+
+def flags_diff(base: dict, spec: dict) -> list[str]:
+    """Each server arg / env var that differs from the base trial's, one per line:
+    `--cuda-graph-max-bs: 4 -> 32`, `NCCL_NVLS_ENABLE: unset -> 1`."""
     out = []
     b_args, t_args = base.get("server_args") or {}, spec.get("server_args") or {}
     for k in sorted(set(b_args) | set(t_args)):
         if b_args.get(k) != t_args.get(k):
-            v = t_args.get(k)
-            v = MASK if is_secret_name(k) and v not in (None, False, True) else v
-            out.append(f"--{k}" + ("" if v is True else " (removed)" if v in (None, False) else f" {v}"))
+            old, new = (MASK if is_secret_name(k) and v not in (None, False, True) else v
+                        for v in (b_args.get(k), t_args.get(k)))
+            out.append(f"--{k}: {_shown(old)} -> {_shown(new)}")
     try:
         b_env, t_env = json.loads(base.get("env") or "{}"), json.loads(spec.get("env") or "{}")
     except ValueError:
         b_env, t_env = {}, {}
     for k in sorted(set(b_env) | set(t_env)):
         if b_env.get(k) != t_env.get(k):
-            out.append(f"{k}={MASK if is_secret_name(k) and k in t_env else t_env.get(k, '(unset)')}")
-    return ", ".join(out) or "(same as base)"
+            old, new = (MASK if is_secret_name(k) and v is not None else v for v in (b_env.get(k), t_env.get(k)))
+            out.append(f"{k}: {_shown(old)} -> {_shown(new)}")
+    return out
 
 
 def collect(host: str, camp: Campaign) -> dict:
     """The report's data: one row per trial, in campaign order, from the log only."""
     path = log_path(host, camp.name)
-    entries = read_log(path)
+    problems: list[str] = []
+    entries = read_log(path, problems)
     if not entries:
         raise FileNotFoundError(f"no trials for campaign {camp.name} on {host}: {path} is missing or empty "
                                 f"(run invoke tune {camp.name} -H {host} first)")
@@ -66,36 +76,96 @@ def collect(host: str, camp: Campaign) -> dict:
     order = list(dict.fromkeys(order))
     start_of = {tid: s.last("start") or {} for tid, s in states.items()}
     base_spec = (start_of.get("base") or {}).get("spec") or {}
+    done = [states[tid].done for tid in order if states[tid].done]
+    gain, gain_how = min_gain(camp, done)
+    winner_entry, verdicts = standings(camp, done, gain)
+    base_done = states["base"].done if "base" in states else None
+    base_value = (base_done or {}).get("objective")
     rows = []
     for tid in order:
-        done = states[tid].done
+        d = states[tid].done
         start = start_of.get(tid) or {}
-        if not done:
-            rows.append({"trial": tid, "label": start.get("label", tid), "outcome": "interrupted", "flags": "-",
-                         "patches": ", ".join((start.get("spec") or {}).get("patches") or []) or "-"})
+        if not d:
+            rows.append({"trial": tid, "label": start.get("label", tid), "outcome": "interrupted",
+                         "flags": ["(base)"] if tid == "base" else flags_diff(base_spec, start.get("spec") or {}),
+                         "patches": ", ".join((start.get("spec") or {}).get("patches") or []) or "-", "metrics": {},
+                         "verdict": "interrupted", "violations": [], "findings": []})
             continue
-        spec = start.get("spec") or (start_of.get(done.get("same_as")) or {}).get("spec") or {}
-        row = {"trial": tid, "label": done.get("label", tid), "outcome": done.get("outcome"),
-               "objective": done.get("objective"), "metrics": done.get("metrics") or {},
-               "violations": done.get("violations") or [], "findings": done.get("findings") or [],
-               "reason": done.get("reason"), "release": done.get("release"), "same_as": done.get("same_as"),
-               "result_path": done.get("result_path"), "script": start.get("script"),
-               "flags": "(base)" if tid == "base" else _flags_diff(base_spec, spec),
+        spec = start.get("spec") or (start_of.get(d.get("same_as")) or {}).get("spec") or {}
+        added = [p for p in spec.get("patches") or [] if p not in (base_spec.get("patches") or [])]
+        value = d.get("objective")
+        row = {"trial": tid, "label": d.get("label", tid), "outcome": d.get("outcome"),
+               "objective": value, "objective_ci": d.get("objective_ci"), "metrics": d.get("metrics") or {},
+               "vs_base": (None if value is None or not base_value or tid == "base"
+                           else (value - base_value) / abs(base_value) * 100.0),
+               "violations": d.get("violations") or [], "findings": d.get("findings") or [],
+               "reason": d.get("reason"), "release": d.get("release"), "same_as": d.get("same_as"),
+               "result_path": d.get("result_path"), "script": start.get("script"),
+               "flags": ["(base)"] if tid == "base" else flags_diff(base_spec, spec),
+               "added_patches": [] if tid == "base" else added,
                "patches": ", ".join(spec.get("patches") or []) or "-", "retry_of": spec.get("retry_of")}
         lv = row["metrics"].get(str(camp.objective.level)) or {}
         for key, _title in METRIC_COLUMNS:
             row[key] = lv.get(key)
-        row["objective_ci"] = (lv.get(f"{camp.objective.metric}_ci") if lv else None)
+        row["verdict"] = _verdict(row, verdicts, winner_entry)
         rows.append(row)
-    feasible = [r for r in rows if r["outcome"] == "ok" and r.get("objective") is not None]
-    winner = None
-    for r in feasible:
-        if winner is None or camp.objective.better(r["objective"], winner["objective"]):
-            winner = r
+    winner = next((r for r in rows if winner_entry and r["trial"] == winner_entry["trial"]), None)
     drift = next((e for e in reversed(entries) if e.get("phase") == "drift"), None)
     leave = next((e for e in reversed(entries) if e.get("phase") == "leave"), None)
     return {"campaign": camp, "host": host, "rows": rows, "winner": winner, "drift": drift, "leave": leave,
-            "log": path, "base": next((r for r in rows if r["trial"] == "base"), None)}
+            "log": path, "base": next((r for r in rows if r["trial"] == "base"), None), "problems": problems,
+            "min_gain": gain, "min_gain_how": gain_how}
+
+
+def _verdict(row: dict, verdicts: dict[str, str], winner: dict | None) -> str:
+    outcome = row["outcome"]
+    if outcome == "ok":
+        text = verdicts.get(row["trial"], "")
+        return f"WINNER; {text}" if winner and winner["trial"] == row["trial"] else text
+    if outcome == "infeasible":
+        return "infeasible"
+    if outcome == "duplicate":
+        return f"duplicate of {row.get('same_as')}: not run again"
+    known = next((f["entry"] for f in row["findings"] if f.get("entry")), None)
+    if known:
+        return f"{outcome}: {known}"
+    return f"{outcome}: {diagnosis_line(row['findings'], row.get('reason') or '')}"[:160]
+
+
+def metric_columns(camp: Campaign) -> list[tuple[str, str]]:
+    """The key metrics beside the objective's own column (its metric is not shown twice)."""
+    return [(k, t) for k, t in METRIC_COLUMNS if k != camp.objective.metric]
+
+
+def constraints_met(row: dict) -> str:
+    if row["outcome"] == "ok":
+        return "met"
+    if row["outcome"] == "infeasible":
+        return "; ".join(row["violations"])
+    return "-"
+
+
+def vs_base(row: dict) -> str:
+    return "(base)" if row["trial"] == "base" else "-" if row.get("vs_base") is None else f"{row['vs_base']:+.1f}%"
+
+
+def has_intervals(data: dict) -> bool:
+    return any(r.get("objective_ci") for r in data["rows"])
+
+
+def print_summary(host: str, camp: Campaign) -> None:
+    """The table `tune` ends with: trial, changed flags, objective, constraints, verdict."""
+    from .output import print_table, table
+
+    data = collect(host, camp)
+    t = table(f"{host}: campaign {camp.name}: {camp.objective.sense} {camp.objective.written}, min_gain "
+              f"{data['min_gain'] * 100:.1f}% ({data['min_gain_how']})",
+              ["trial", "changed vs base", camp.objective.written, "vs base", "constraints", "verdict"])
+    for r in data["rows"]:
+        changes = r["flags"] + [f"+ patch {p}" for p in r.get("added_patches") or []]
+        t.add_row(r["trial"], "\n".join(changes) or "(same as base)", objective_cell(r), vs_base(r),
+                  constraints_met(r), r["verdict"])
+    print_table(t)
 
 
 def _series(row: dict, key: str) -> tuple[list[int], list[float]]:
@@ -103,14 +173,30 @@ def _series(row: dict, key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def pareto_by_level(data: dict) -> dict[int, list[tuple[float, float, str]]]:
+    """Per concurrency level: the trials no other trial beats at that level on both TTFT p99
+    (lower) and output tok/s (higher), as (ttft_p99, output_tps, trial). Levels are never mixed:
+    a level-1 point and a level-16 point measure different loads."""
+    from .compare import pareto_front
+
+    out = {}
+    rows = [r for r in data["rows"] if r.get("metrics")]
+    for lv in sorted({int(lv) for r in rows for lv in r["metrics"]}):
+        pts = [(m["ttft_p99"], m["output_tps"], r["trial"]) for r in rows
+               for m in [r["metrics"].get(str(lv)) or {}] if m.get("ttft_p99") is not None and m.get("output_tps") is not None]
+        front = set(pareto_front([(p[0], p[1]) for p in pts]))
+        out[lv] = sorted((p for p in pts if (p[0], p[1]) in front), key=lambda p: p[0])
+    return out
+
+
 def plots(data: dict) -> dict[str, bytes]:
-    """PNG bytes: throughput and latency per level per trial, and the Pareto front."""
+    """PNG bytes: throughput and latency per level per trial, and the Pareto front per level."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .compare import pareto_front
+    from .compare import level_axis, log_axis, place_labels, room_above
 
     rows = [r for r in data["rows"] if r.get("metrics")]
     levels = sorted({int(lv) for r in rows for lv in r["metrics"]})
@@ -124,45 +210,51 @@ def plots(data: dict) -> dict[str, bytes]:
                 ax.plot(xs, ys, marker="o", label=r["trial"], **style)
     for ax, title, unit, log in zip(axes, ("output throughput", "TTFT p99", "TPOT p50"),
                                     ("tokens/s", "ms", "ms"), (False, True, False)):
-        ax.set_xscale("log")
-        ax.set_xticks(levels)
-        ax.set_xticklabels([str(lv) for lv in levels])
-        ax.minorticks_off()
+        if levels:
+            level_axis(ax, levels)
         if log:
             ax.set_yscale("log")
+            log_axis(ax.yaxis)
         else:
-            ax.set_ylim(bottom=0)
+            room_above(ax)
         ax.set_title(title)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if rows:
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     out["levels"] = _png(fig, plt)
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
-    points = []
-    for r in rows:
-        mine = [(m["ttft_p99"], m["output_tps"], lv) for lv, m in r["metrics"].items()
-                if m.get("output_tps") is not None and m.get("ttft_p99") is not None]
-        if mine:
-            ax.scatter([p[0] for p in mine], [p[1] for p in mine], s=30, label=r["trial"])
-            points += [(p[0], p[1], r["trial"], p[2]) for p in mine]
-    front = pareto_front([(p[0], p[1]) for p in points])
-    if front:
-        ax.plot([f[0] for f in front], [f[1] for f in front], color="black", lw=1, ls="--", label="Pareto front")
-        on_front = {(f[0], f[1]) for f in front}
-        for ttft, tps, trial, lv in points:  # label the front only: the rest is in the legend
-            if (ttft, tps) in on_front:
-                ax.annotate(f"{trial}@{lv}", (ttft, tps), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    if points:
-        ax.legend(fontsize=7)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "osD^v<>ph*"
+    trials = [r["trial"] for r in rows]
+    for i, (lv, _front) in enumerate(pareto_by_level(data).items()):
+        for r in rows:
+            m = r["metrics"].get(str(lv)) or {}
+            if m.get("output_tps") is not None and m.get("ttft_p99") is not None:
+                ax.scatter([m["ttft_p99"]], [m["output_tps"]], s=30, marker=markers[i % len(markers)],
+                           color=colors[trials.index(r["trial"]) % len(colors)])
+    labels = []
+    for i, (lv, front) in enumerate(pareto_by_level(data).items()):
+        if front:
+            ax.plot([f[0] for f in front], [f[1] for f in front], color="black", lw=1, ls="--", alpha=0.6,
+                    marker=markers[i % len(markers)], markersize=11, markerfacecolor="none",
+                    label=f"Pareto front, level {lv}")
+            labels += [((f[0], f[1]), f"{f[2]}@{lv}", colors[trials.index(f[2]) % len(colors)]) for f in front]
+    for t in trials:  # one legend entry per trial, in its colour
+        ax.scatter([], [], color=colors[trials.index(t) % len(colors)], label=t)
     ax.set_xscale("log")
+    log_axis(ax.xaxis)
+    ax.margins(x=0.15)
+    room_above(ax)
     ax.set_xlabel("TTFT p99 (ms)")
     ax.set_ylabel("output tokens/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title("throughput vs TTFT p99 (every trial and level)")
+    ax.set_title("throughput vs TTFT p99: the Pareto front of each level (marker: level)")
     ax.grid(True, alpha=0.3)
+    legend = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0)) if trials else None
     fig.tight_layout()
+    place_labels(ax, labels, [legend])
     out["pareto"] = _png(fig, plt)
     return out
 
@@ -182,10 +274,9 @@ def script_diff(data: dict) -> str:
                                         "base/launch.sh", f"{winner['trial']}/launch.sh"))
 
 
-def _objective_text(row: dict, camp: Campaign) -> str:
+def objective_cell(row: dict) -> str:
     ci = row.get("objective_ci")
-    text = fmt(row.get("objective"))
-    return text + (f" ± {fmt(ci)}" if ci else "")
+    return fmt(row.get("objective")) + (f" ± {fmt((ci[1] - ci[0]) / 2)}" if ci else "")
 
 
 def _md(value) -> str:
@@ -200,24 +291,69 @@ def _code(value) -> str:
     return " ".join(str(value).replace("`", "'").split())
 
 
+def head(camp: Campaign) -> list[str]:
+    return (["trial", "flags vs base", "patches", "outcome", camp.objective.written, "vs base"]
+            + [t for _k, t in metric_columns(camp)] + ["verdict"])
+
+
+def cells(r: dict, camp: Campaign) -> list[tuple[str, list[str]]]:
+    """A trials-table row as (data key, lines): flags one per line, every other cell one line."""
+    return ([("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
+             ("outcome", [_outcome(r)]), ("objective", [objective_cell(r)]), ("vs_base", [vs_base(r)])]
+            + [(k, [fmt(r.get(k))]) for k, _t in metric_columns(camp)] + [("verdict", [r["verdict"]])])
+
+
+def crash_lines(f: dict) -> list[tuple[str, str]]:
+    """One finding of a crash as (label, text): the known issue, the exception line, the root
+    cause where it differs, the last frames and the patch to try."""
+    out = [("known issue", f"{f['entry']} ({f.get('category')}): {f.get('title')}" if f.get("entry")
+            else "none matched" if not f.get("error") else f"not diagnosed: {f['error']}")]
+    exception = f.get("final_exception") or f.get("root_exception")
+    if exception:
+        out.append(("exception", exception))
+    if f.get("root_exception") and f.get("root_exception") != exception:
+        out.append(("root cause", f["root_exception"]))
+    out += [("frame", fr) for fr in f.get("last_frames") or []]
+    if (f.get("suggest") or {}).get("patch"):
+        out.append(("next step", f"patch {f['suggest']['patch']}"))
+    return out
+
+
+def _footnote(data: dict) -> str:
+    camp = data["campaign"]
+    text = f"Metrics at level {camp.objective.level}; vs base: the objective's change against the base trial."
+    if has_intervals(data):
+        text += " ± is the 95% interval of repeated runs."
+    return text
+
+
+def _constraints(camp: Campaign) -> list[str]:
+    """As the campaign file wrote them (`failed == 0`, not the error_rate terms it becomes)."""
+    return [str(c) for c in camp.data["objective"].get("constraints") or []]
+
+
 def markdown(data: dict) -> str:
     camp = data["campaign"]
     lines = [f"# Tuning campaign `{camp.name}` on {data['host']}", ""]
     if camp.data.get("description"):
         lines += [_md(camp.data["description"]), ""]
     lines += [f"- objective: {camp.objective.sense} `{camp.objective.written}`",
-              "- constraints: " + (", ".join(f"`{c}`" for c in camp.constraints if not c.implicit) or "none"),
+              "- constraints: " + (", ".join(f"`{_code(c)}`" for c in _constraints(camp)) or "none"),
+              f"- min_gain: {data['min_gain'] * 100:.1f}% ({_md(data['min_gain_how'])}): a smaller difference is a tie",
               f"- trials: {len(data['rows'])} (log: `{data['log']}`)"]
+    lines += [f"- log: {_md(p)}" for p in data["problems"]]
     w = data["winner"]
-    lines += [f"- **winner: {_md(w['trial'])}** ({_md(w['label'])}): {camp.objective.written} = {_objective_text(w, camp)}"
+    lines += [f"- **winner: {_md(w['trial'])}** ({_md(w['label'])}): {camp.objective.written} = {objective_cell(w)}"
               if w else "- no trial met every constraint", ""]
-    head = ["trial", "flags vs base", "patches", "outcome", camp.objective.written] + [t for _k, t in METRIC_COLUMNS]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(head(camp)) + " |", "|" + "---|" * len(head(camp))]
     for r in data["rows"]:
-        cells = [r["trial"], r["flags"], r["patches"], _outcome(r), _objective_text(r, camp)] + \
-                [fmt(r.get(k)) for k, _t in METRIC_COLUMNS]
-        lines.append("| " + " | ".join(_md(c) for c in cells) + " |")
-    lines += ["", f"Metrics at level {camp.objective.level}; ± is the 95% interval of repeated runs.", ""]
+        lines.append("| " + " | ".join("<br>".join(_md(x) for x in text) for _k, text in cells(r, camp)) + " |")
+    lines += ["", _footnote(data), ""]
+    lines += ["## Pareto front per level", ""]
+    for lv, front in pareto_by_level(data).items():
+        lines.append(f"- level {lv}: " + (", ".join(f"{_md(t)} ({fmt(tps)} tok/s, TTFT p99 {fmt(ttft)} ms)"
+                                                   for ttft, tps, t in front) or "no point"))
+    lines.append("")
     crashes = [r for r in data["rows"] if r.get("findings") or r["outcome"] in ("crashed", "failed", "timeout")]
     if crashes:
         lines += ["## Crashes and their diagnosis", ""]
@@ -225,21 +361,21 @@ def markdown(data: dict) -> str:
             lines.append(f"- **{_md(r['trial'])}** ({_md(r.get('release') or 'no release')}): "
                          f"{_md(r.get('reason') or r['outcome'])}")
             for f in r.get("findings") or []:
-                known = (f"known issue `{_code(f['entry'])}` ({_md(f['category'])}): {_md(f['title'])}"
-                         if f.get("entry") else "no known issue matched")
-                lines.append(f"  - {known}; root: `{_code(f.get('root_exception') or '-')}`"
-                             + (f"; next step: patch `{_code(f['suggest']['patch'])}`"
-                                if (f.get("suggest") or {}).get("patch") else ""))
+                lines += [f"  - {label}: `{_code(text)}`" for label, text in crash_lines(f)]
         lines.append("")
     if data["drift"]:
         d = data["drift"]
         lines += ["## Drift of the base", "",
                   f"Re-benched at the end: {camp.objective.written} {fmt(d.get('before'))} -> {fmt(d.get('after'))}"
                   + (f" ({d['drift_pct']:+.1f}%)" if d.get("drift_pct") is not None else ""), ""]
+    if w:
+        lines += [f"## The winner, {_md(w['trial'])}, against the base", ""]
+        lines += [f"- `{_code(flag)}`" for flag in w["flags"] if flag != "(base)"] or ["- the base itself"]
+        lines.append("")
     diff = script_diff(data)
     if diff:
-        lines += ["## The winner's launch script against the base", "", "```diff", diff.rstrip("\n"), "```", ""]
-    lines += ["![throughput and latency per level](levels.png)", "", "![Pareto front](pareto.png)", ""]
+        lines += ["Its launch script against the base's:", "", "```diff", diff.rstrip("\n"), "```", ""]
+    lines += ["![throughput and latency per level](levels.png)", "", "![Pareto front per level](pareto.png)", ""]
     return "\n".join(lines)
 
 
@@ -247,7 +383,7 @@ def _outcome(r: dict) -> str:
     if r["outcome"] == "ok":
         return "feasible"
     if r["outcome"] == "infeasible":
-        return "violates " + "; ".join(v.replace("FAIL: ", "") for v in r["violations"])
+        return "violates " + "; ".join(r["violations"])
     if r["outcome"] == "duplicate":
         return f"duplicate of {r.get('same_as')}"
     return r["outcome"] or "-"
@@ -257,7 +393,8 @@ CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color
 table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top}
 th{background:#f2f2f2}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.winner{background:#e8f6e8}tr.bad{background:#fbeaea}pre{background:#f7f7f7;padding:1em;overflow:auto}
-img{max-width:100%}"""
+div.flag{font-family:monospace;white-space:nowrap}img{max-width:100%}"""
+_NUMERIC = {"objective", "vs_base"} | {k for k, _t in METRIC_COLUMNS}
 
 
 def html_page(data: dict, pngs: dict[str, bytes]) -> str:
@@ -270,34 +407,40 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
     if camp.data.get("description"):
         out.append(f"<p>{e(str(camp.data['description']))}</p>")
     out.append(f"<p>Objective: {e(camp.objective.sense)} <code>{e(camp.objective.written)}</code>; constraints: "
-               + (", ".join(f"<code>{e(str(c))}</code>" for c in camp.constraints if not c.implicit) or "none") + "</p>")
+               + (", ".join(f"<code class='constraint'>{e(c)}</code>" for c in _constraints(camp)) or "none")
+               + f"; min_gain <span id='min-gain'>{data['min_gain'] * 100:.1f}%</span> ({e(data['min_gain_how'])}): "
+               "a smaller difference is a tie.</p>")
+    out += [f"<p class='log-problem'>{e(p)}</p>" for p in data["problems"]]
     out.append(f"<p id='winner' data-trial='{e(w['trial'])}'><b>Winner: {e(w['trial'])}</b> ({e(w['label'])}): "
-               f"{e(camp.objective.written)} = {e(_objective_text(w, camp))}</p>" if w
+               f"{e(camp.objective.written)} = {e(objective_cell(w))}</p>" if w
                else "<p id='winner'>No trial met every constraint.</p>")
-    head = ["trial", "flags vs base", "patches", "outcome", camp.objective.written] + [t for _k, t in METRIC_COLUMNS]
-    out.append("<table id='trials'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
+    out.append("<table id='trials'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head(camp)) + "</tr>")
     for r in data["rows"]:
         cls = "winner" if w and r["trial"] == w["trial"] else ("bad" if r["outcome"] not in ("ok",) else "")
-        cells = [f"<td>{e(r['trial'])}<br><small>{e(r['label'])}</small></td>", f"<td>{e(r['flags'])}</td>",
-                 f"<td>{e(r['patches'])}</td>", f"<td>{e(_outcome(r))}</td>",
-                 f"<td class='num' data-key='objective'>{e(_objective_text(r, camp))}</td>"]
-        cells += [f"<td class='num' data-key='{k}'>{e(fmt(r.get(k)))}</td>" for k, _t in METRIC_COLUMNS]
-        out.append(f"<tr class='{cls}' data-trial='{e(r['trial'])}'>" + "".join(cells) + "</tr>")
-    out.append(f"</table><p><small>Metrics at level {camp.objective.level}; ± is the 95% interval of repeated runs."
-               "</small></p>")
-    for name, title in (("levels", "Throughput and latency per level"), ("pareto", "Pareto front")):
+        tds = []
+        for key, text in cells(r, camp):
+            body = ("".join(f"<div class='flag'>{e(x)}</div>" for x in text) if key == "flags" else e(text[0])
+                    + (f"<br><small>{e(r['label'])}</small>" if key == "trial" else ""))
+            tds.append(f"<td{' class=num' if key in _NUMERIC else ''} data-key='{key}'>{body}</td>")
+        out.append(f"<tr class='{cls}' data-trial='{e(r['trial'])}'>" + "".join(tds) + "</tr>")
+    out.append(f"</table><p id='footnote'><small>{e(_footnote(data))}</small></p>")
+    out.append("<h2>Pareto front per level</h2><ul id='pareto'>")
+    for lv, front in pareto_by_level(data).items():
+        out.append(f"<li data-level='{lv}'>level {lv}: " + (", ".join(
+            f"<span class='front' data-trial='{e(t)}'>{e(t)}</span> ({e(fmt(tps))} tok/s, TTFT p99 {e(fmt(ttft))} ms)"
+            for ttft, tps, t in front) or "no point") + "</li>")
+    out.append("</ul>")
+    for name, title in (("levels", "Throughput and latency per level"), ("pareto", "Throughput against TTFT p99")):
         out.append(f"<h2>{title}</h2><img alt='{e(title)}' src='data:image/png;base64,"
                    f"{base64.b64encode(pngs[name]).decode()}'>")
     crashes = [r for r in data["rows"] if r.get("findings") or r["outcome"] in ("crashed", "failed", "timeout")]
     if crashes:
-        out.append("<h2>Crashes and their diagnosis</h2><ul>")
+        out.append("<h2>Crashes and their diagnosis</h2><ul id='crashes'>")
         for r in crashes:
-            items = "".join(
-                f"<li>{'known issue <code>' + e(f['entry']) + '</code> (' + e(f['category']) + '): ' + e(f['title']) if f.get('entry') else 'no known issue matched'}"
-                f"; root: <code>{e(f.get('root_exception') or '-')}</code>"
-                + (f"; next step: patch <code>{e(f['suggest']['patch'])}</code>" if (f.get('suggest') or {}).get('patch') else "")
-                + "</li>" for f in r.get("findings") or [])
-            out.append(f"<li><b>{e(r['trial'])}</b> ({e(r.get('release') or 'no release')}): "
+            items = "".join("<li><ul>" + "".join(f"<li class='{e(label.replace(' ', '-'))}'>{e(label)}: <code>{e(text)}"
+                                                 "</code></li>" for label, text in crash_lines(f)) + "</ul></li>"
+                            for f in r.get("findings") or [])
+            out.append(f"<li data-trial='{e(r['trial'])}'><b>{e(r['trial'])}</b> ({e(r.get('release') or 'no release')}): "
                        f"{e(r.get('reason') or r['outcome'])}<ul>{items}</ul></li>")
         out.append("</ul>")
     if data["drift"]:
@@ -305,15 +448,23 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
         out.append(f"<h2>Drift of the base</h2><p id='drift'>{e(camp.objective.written)} {e(fmt(d.get('before')))} → "
                    f"{e(fmt(d.get('after')))}" + (f" ({d['drift_pct']:+.1f}%)" if d.get("drift_pct") is not None else "")
                    + "</p>")
+    if w:
+        out.append(f"<h2>The winner, {e(w['trial'])}, against the base</h2><ul id='winner-flags'>"
+                   + ("".join(f"<li><code>{e(f)}</code></li>" for f in w["flags"] if f != "(base)")
+                      or "<li>the base itself</li>") + "</ul>")
     diff = script_diff(data)
     if diff:
-        out.append(f"<h2>The winner's launch script against the base</h2><pre id='winner-diff'>{e(diff)}</pre>")
+        out.append(f"<p>Its launch script against the base's:</p><pre id='winner-diff'>{e(diff)}</pre>")
     out.append("</body></html>")
     return "\n".join(out)
 
 
 def write_report(host: str, camp: Campaign) -> tuple[Path, Path]:
+    from .output import err_console
+
     data = collect(host, camp)
+    for line in data["problems"]:
+        err_console.print(f"warning: {line}", markup=False, highlight=False)
     pngs = plots(data)
     d = data["log"].parent
     for name, png in pngs.items():

@@ -5,10 +5,14 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,77 @@ from servops.lab.sshd import find_sshd, free_port, keygen, make_server
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+# Connections are not persisted in the test lab: each CLI run connects directly, the path most
+# tests are about (a frozen or restarted sshd, say) and the cheapest (no agent process per test).
+# tests/test_agent.py turns persistence on for its own runs; SERVOPS_TEST_PERSIST=10m runs any
+# test through agents. Agents live in this run's own directory, never a developer's, and are
+# ended with the session.
+# Verbs that change hosts require -H (or $SERVOPS_HOSTS): most tests run on a one- or two-host lab
+# of their own and mean all of it, as a user who exported SERVOPS_HOSTS=all would. The tests of
+# that rule (and the README's, run verbatim) clear it.
+os.environ["SERVOPS_HOSTS"] = "all"
+AGENT_DIR = tempfile.mkdtemp(prefix="servops-agents-")
+os.environ["SERVOPS_AGENT_DIR"] = AGENT_DIR
+os.environ["SERVOPS_PERSIST"] = os.environ.get("SERVOPS_TEST_PERSIST", "0")
+
+
+def agent_pids(directory: str) -> list[int]:
+    """The connection agents living in `directory` (from their lock files)."""
+    pids = []
+    for lock in Path(directory).glob("*.lock"):
+        try:
+            pid = int(lock.read_text().split()[0])
+            if b"servops.connagent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def end_agents(directory: str) -> None:
+    """Every agent in `directory` told to exit (`invoke disconnect`'s way), a wedged one killed."""
+    from servops import connagent
+
+    for sock in Path(directory).glob("*.sock"):
+        connagent.stop_agents(sock.name.split("-")[0], directory=directory)
+    deadline = time.monotonic() + 10
+    while agent_pids(directory) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in agent_pids(directory):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_agent_outlives_the_tests():
+    yield
+    end_agents(AGENT_DIR)
+    shutil.rmtree(AGENT_DIR, ignore_errors=True)
+
+
+def clear_stale_shell_lock() -> None:
+    """The lab's hosts are this machine's own user, so every ssh command runs its ~/.bashrc; with
+    pyenv that runs `pyenv rehash`, whose lock file is left behind when a test SIGKILLs a remote
+    process tree mid-rehash (the hardening tests do). Every later command then waits 60 s for that
+    lock, which turned CI into a timeout. A lock nobody is rehashing under is stale: remove it."""
+    lock = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "shims" / ".pyenv-shim"
+    if not lock.exists():
+        return
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"pyenv-rehash" in cmdline.read_bytes():
+                return
+        except OSError:
+            continue
+    lock.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def no_stale_shell_lock():
+    clear_stale_shell_lock()
+    yield
+    clear_stale_shell_lock()
+
 
 # Files the tests edit; restored after every test so the cached venv stays pristine.
 WATCHED = ["flashinfer/jit/cpp_ext.py", "flashinfer/jit/env.py", "flashinfer/__init__.py"]
@@ -239,6 +314,20 @@ def healthy(port: int) -> bool:
 def root_of(lab) -> Path:
     """lab1's deploy root."""
     return lab.tmp / "deploy-lab1"
+
+
+def current(lab) -> str | None:
+    """lab1's current release, or None when there is none."""
+    link = root_of(lab) / "current"
+    return os.readlink(link).split("/")[-1] if link.is_symlink() else None
+
+
+def server_pid(lab) -> int | None:
+    """The pid servops recorded for lab1's server, or None."""
+    try:
+        return json.loads((root_of(lab) / "server.pid").read_text())["pid"]
+    except OSError:
+        return None
 
 
 def one_line_error(res, *needles: str) -> None:

@@ -181,10 +181,10 @@ def test_hostile_yaml_files_are_one_line_and_change_nothing(alab, tmp_path):
                                 ("inv-deep", "\nzz: " + "{a: " * 50_000 + "\n", "nested too deeply")]:
         bad = tmp_path / f"{name}.yml"
         bad.write_text(text + extra)
-        one_line_error(run_invoke("deploy", "--variant", "baseline", inventory=bad, timeout=60), f"{name}.yml", needle)
+        one_line_error(run_invoke("deploy", "--variant", "baseline", "--force", inventory=bad, timeout=60), f"{name}.yml", needle)
     bad = tmp_path / "inv-nonutf.yml"
     bad.write_bytes(text.encode() + b"# \xff\n")
-    one_line_error(run_invoke("deploy", "--variant", "baseline", inventory=bad), "inv-nonutf.yml", "not UTF-8")
+    one_line_error(run_invoke("deploy", "--variant", "baseline", "--force", inventory=bad), "inv-nonutf.yml", "not UTF-8")
     # a campaign
     camps = tmp_path / "camps"
     camps.mkdir()
@@ -238,7 +238,7 @@ def test_push_credentials_never_show(alab):
                      inventory=inv)
     assert res.returncode == 2 and "Pushgateway" in res.stderr and "ops:***@" in res.stderr, res.stdout + res.stderr
     assert secret not in res.stdout + res.stderr
-    res = run_invoke("deploy", "--variant", "baseline", "--push", f"ftp://ops:{secret}@host/", inventory=inv)
+    res = run_invoke("deploy", "--variant", "baseline", "--force", "--push", f"ftp://ops:{secret}@host/", inventory=inv)
     one_line_error(res, "--push", "ops:***@")
     assert secret not in res.stdout + res.stderr
 

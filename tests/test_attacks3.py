@@ -74,7 +74,7 @@ def test_symlinks_planted_in_a_release_never_carry_servops_writes(alab, tmp_path
     lab, inv, port = alab
     assert run_invoke(*DEPLOY, inventory=inv).returncode == 0
     first = _current(lab)
-    assert run_invoke(*DEPLOY, inventory=inv).returncode == 0
+    assert run_invoke(*DEPLOY, "--force", inventory=inv).returncode == 0
     assert _current(lab) != first
     victim = tmp_path / "bashrc"
     victim.write_text("original\n")
@@ -115,7 +115,7 @@ def test_a_symlinked_journal_or_releases_dir_stops_every_op_before_it_writes(ala
     (root / "releases").rename(elsewhere)
     (root / "releases").symlink_to(elsewhere)
     before = sorted(p.name for p in elsewhere.iterdir())
-    res = run_invoke(*DEPLOY, inventory=inv)
+    res = run_invoke(*DEPLOY, "--force", inventory=inv)
     assert res.returncode != 0 and "releases is a symlink" in res.stdout + res.stderr
     assert sorted(p.name for p in elsewhere.iterdir()) == before and healthy(port)
     (root / "releases").unlink()
@@ -152,7 +152,7 @@ def test_a_symlinked_lock_is_stale_and_breakable(alab, tmp_path):
     for dest in (tmp_path / "missing", target):
         (root / "deploy.lock").unlink(missing_ok=True)
         (root / "deploy.lock").symlink_to(dest)
-        res = run_invoke(*DEPLOY, inventory=inv)
+        res = run_invoke(*DEPLOY, "--force", inventory=inv)  # the second would be unchanged, lock untouched
         assert res.returncode == 0, res.stdout + res.stderr
         assert not (root / "deploy.lock").exists() and not (root / "deploy.lock").is_symlink()
     assert target.exists() and json.loads(target.read_text())["id"] == "x"

@@ -56,11 +56,17 @@ def test_bench_numbers_match_the_configured_double(bench_lab):
         assert 200.0 <= level["e2e_p50"] <= 330.0, level    # e2e ~= ttft + 9 * itl
         assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 15
         assert level["server"]["requests"] == 8             # the server's own count for the level
-    # /metrics reflects the same traffic (+ one warmup request per level)
+    # the default warm-up: waves at each level's concurrency until their TTFT settled
+    for level in data["levels"]:
+        warm = level["warmup"]
+        assert warm["mode"] == "adaptive" and warm["converged"] is True and len(warm["waves"]) >= 2, warm
+    assert "warm-up 2 waves, 16 requests" in res.stderr or "warm-up 3 waves, 24 requests" in res.stderr, res.stderr
+    # /metrics reflects the same traffic (+ the warm-up requests of each level)
     res = run_invoke("metrics", "--json", inventory=inv, env=env)
     assert res.returncode == 0, res.stderr
     [m] = json.loads(res.stdout)
-    assert m["ttft"]["count"] == 18 and 0.025 <= m["ttft"]["p50"] <= 0.1
+    assert m["ttft"]["count"] == 16 + sum(lv["warmup"]["requests"] for lv in data["levels"])
+    assert 0.025 <= m["ttft"]["p50"] <= 0.1
     assert 0.01 <= m["itl"]["p50"] <= 0.025 and m["running"] == 0
     res = run_invoke("metrics", inventory=inv, env=env)
     assert res.returncode == 0 and "TTFT p50/p90/p99 ms" in res.stdout
@@ -92,20 +98,51 @@ def test_compare_and_metric_gate(bench_lab):
     res = run_invoke("compare", "fast", "slow", "-H", "lab1", inventory=inv, env=env)
     assert res.returncode == 0, res.stderr
     assert "Δ slow" in res.stdout and "output tok/s" in res.stdout
+    # one run each: every delta says it has no noise estimate (issue 20.2)
+    deltas = [l for l in res.stdout.splitlines() if "%" in l]
+    assert deltas and all("(single run: no noise estimate)" in l for l in deltas), res.stdout
     png = results / "lab1" / "compare-fast-vs-slow.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    from test_compare_plot import check_figure
+
+    fig = check_figure({v: saved(results, f"lab1/*-{v}/*.jsonl") for v in ("fast", "slow")})
+    assert "single run: no noise estimate" in fig._suptitle.get_text()
     # the slow variant cannot reach 1.02x the fast one: gate fails -> automatic rollback to 'slow'
     deployed = current_release(inv)
     res = run_invoke("deploy", "--variant", "slow", "--gate", "output_tps@8 >= 1.02*fast", inventory=inv, env=env)
     assert res.returncode != 0
-    assert "gate FAIL: output_tps@8 >= 1.02*fast" in res.stdout
+    assert "gate FAIL: output_tps@8 >= 1.02*fast" in res.stdout and "single run: no noise estimate" in res.stdout
     assert f"rolled back to {deployed}" in res.stderr and current_release(inv) == deployed
     # and a gate it meets keeps the release
-    res = run_invoke("deploy", "--variant", "fast", "--gate", "output_tps@8 >= 1.02*slow", inventory=inv, env=env)
+    res = run_invoke("deploy", "--variant", "fast", "--force", "--gate", "output_tps@8 >= 1.02*slow", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "gate pass" in res.stdout and current_release(inv).endswith("-fast")
-    bad = run_invoke("deploy", "--variant", "fast", "--gate", "outptu_tps@8 >= 1", inventory=inv, env=env)
+    bad = run_invoke("deploy", "--variant", "fast", "--force", "--gate", "outptu_tps@8 >= 1", inventory=inv, env=env)
     assert bad.returncode == 2 and "unknown metric 'outptu_tps'" in bad.stderr
+
+
+def test_a_noisy_server_repeated_gets_intervals_and_noise_marks(bench_lab):
+    """Issue 20.2 with --repeat: two variants of one setting on a server whose runs scatter by
+    +-25% (RUN_JITTER): compare shows each value's 95% interval, calls a difference the
+    intervals cannot tell apart "(noise)", and the single-run note is gone."""
+    inv, books, env, results = bench_lab
+    noisy = "extends: baseline\nenv: {SGLANG_DOUBLE_TOKEN_DELAY: '0.004', SGLANG_DOUBLE_RUN_JITTER: '0.25'}\n"
+    for name in ("noisy-a", "noisy-b"):
+        variant(books, name, noisy)
+        assert run_invoke("deploy", "--variant", name, inventory=inv, env=env).returncode == 0
+        res = run_invoke("bench", "--levels", "4", "--requests", "8", "--output-len", "16", "--repeat", "4",
+                         "--warmup", "0", inventory=inv, env=env)
+        assert res.returncode == 0, res.stderr
+        assert "mean of 4 runs ±95% interval" in res.stdout
+    a = saved(results, "lab1/*-noisy-a/*.jsonl")["levels"][0]
+    lo, hi = a["ci95"]["output_tps"]
+    assert len(a["samples"]["output_tps"]) == 4 and hi - lo > 0.02 * a["output_tps"]  # the runs really scatter
+    res = run_invoke("compare", "noisy-a", "noisy-b", "-H", "lab1", inventory=inv, env=env)
+    assert res.returncode == 0, res.stderr
+    tps = next(l for l in res.stdout.splitlines() if "output tok/s" in l)
+    assert tps.count("±") == 2, tps
+    assert "(noise)" in res.stdout and "single run" not in res.stdout, res.stdout
+    assert "(noise): the 95% interval of the difference includes 0" in res.stdout
 
 
 def current_release(inv: Path) -> str:
@@ -127,14 +164,17 @@ def test_server_down_mid_bench_keeps_partial_results(bench_lab):
     inv, books, env, results = bench_lab
     variant(books, "dies", "extends: baseline\nenv: {SGLANG_DOUBLE_EXIT_AFTER_REQUESTS: '20', SGLANG_DOUBLE_TOKEN_DELAY: '0.005'}\n")
     assert run_invoke("deploy", "--variant", "dies", inventory=inv, env=env).returncode == 0
-    res = run_invoke("bench", "--levels", "4,8", "--requests", "16", "--output-len", "4", inventory=inv, env=env)
+    # one warm-up request per level: the server dies in the second level (its 20th request)
+    res = run_invoke("bench", "--levels", "4,8", "--requests", "16", "--output-len", "4", "--warmup", "1",
+                     inventory=inv, env=env)
     assert res.returncode != 0
     assert "incomplete" in res.stdout + res.stderr and "partial results in" in res.stdout + res.stderr
     data = saved(results, "lab1/*-dies/*.jsonl")
     assert not data["complete"]
     assert data["levels"][0]["completed"] == 16  # the first level finished before the crash
     assert data["levels"][1]["failed"] > 0 and data["levels"][1]["completed"] < 16
-    assert data["levels"][1]["errors"] and "stopped answering" in data["stopped"]
+    assert data["levels"][1]["errors"] and "requests failed (" in data["stopped"]
+    assert data["stopped"].endswith("the bench stopped there")
     [path] = list(results.glob("lab1/*-dies/*.jsonl"))
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(lines) == 2 and len(lines[1]["errors"]) == 16 and lines[1]["servops"]["failed"] > 0

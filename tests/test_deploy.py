@@ -80,17 +80,21 @@ def test_piecewise_unpatched_crashes_rolls_back_then_patched_is_healthy(deploy_l
     baseline = current(lab)
     assert baseline.endswith("-baseline") and health(port)["piecewise_cuda_graph"] is False
 
-    res = run_invoke("deploy", "--variant", "piecewise", "--skip-patches", inventory=inv)
-    assert res.returncode != 0
-    assert "crash signature" in res.stderr and "torch._dynamo.exc.Unsupported" in res.stderr
+    res = run_invoke("deploy", "--variant", "piecewise", "--force", "--skip-patches", inventory=inv)
+    assert res.returncode == 4  # failed, and servops restored the host
+    assert "crashed: server.log: torch._dynamo.exc.Unsupported" in res.stderr  # the matched line, not its regex
     assert "Traceback (most recent call last)" in res.stderr  # the real traceback excerpt
     assert "is_cuda_version_at_least" in res.stderr
+    # ... to its end: the last frame's code line and dynamo's closing line (issue 20.6)
+    excerpt = res.stderr[res.stderr.index("--- server.log excerpt"):res.stderr.index("--- full log:")]
+    assert excerpt.rstrip().splitlines()[-1].startswith("Set TORCHDYNAMO_VERBOSE=1"), excerpt[-600:]
+    assert "self._waitpid_lock = threading.Lock()" in excerpt
     assert f"rolled back to {baseline}" in res.stderr
     assert current(lab) == baseline and health(port)["piecewise_cuda_graph"] is False
     failed = [r for r in (root_of(lab) / "releases").iterdir() if r.name.endswith("-piecewise")]
     assert json.loads((failed[0] / "release.json").read_text())["status"] == "failed"
 
-    res = run_invoke("deploy", "--variant", "piecewise", inventory=inv)
+    res = run_invoke("deploy", "--variant", "piecewise", "--force", inventory=inv)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"patches: apply {NAME}" in res.stdout
     assert current(lab).endswith("-piecewise") and health(port)["piecewise_cuda_graph"] is True
@@ -109,7 +113,7 @@ def test_rollback_twice_and_releases_listing(deploy_lab):
     lab, inv = deploy_lab
     names = []
     for _ in range(3):
-        res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+        res = run_invoke("deploy", "--variant", "baseline", "--force", inventory=inv)
         assert res.returncode == 0, res.stdout + res.stderr
         names.append(current(lab))
     assert len(set(names)) == 3
@@ -127,14 +131,14 @@ def test_dry_run_changes_nothing_and_shows_the_script_diff(deploy_lab):
     lab, inv = deploy_lab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = sorted(p.name for p in (root_of(lab) / "releases").iterdir())
-    res = run_invoke("deploy", "--variant", "piecewise", "--dry-run", "--diff", inventory=inv)
+    res = run_invoke("deploy", "--variant", "piecewise", "--force", "--dry-run", "--diff", inventory=inv)
     assert res.returncode == 0, res.stderr
     assert "would deploy" in res.stdout and f"apply {NAME}" in res.stdout
     assert "+exec" in res.stdout and "--enable-piecewise-cuda-graph" in res.stdout
     assert "+def _query_cuda_version() -> Version:" in res.stdout
     assert sorted(p.name for p in (root_of(lab) / "releases").iterdir()) == before
     # --diff on a real deploy shows what it changed; rollback --check --diff what it would
-    res = run_invoke("deploy", "--variant", "piecewise", "--diff", inventory=inv)
+    res = run_invoke("deploy", "--variant", "piecewise", "--force", "--diff", inventory=inv)
     assert res.returncode == 0, res.stderr
     assert "+def _query_cuda_version() -> Version:" in res.stdout and "+exec" in res.stdout
     res = run_invoke("rollback", "--check", "--diff", inventory=inv)
@@ -153,7 +157,7 @@ def test_lock_held_refuses_second_deploy_and_break_lock(deploy_lab):
     res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
     assert res.returncode == 2 and "the deploy lock is held by alice@other-laptop pid 1" in res.stderr
     assert not (root / "releases").exists()
-    res = run_invoke("deploy", "--variant", "baseline", "--break-lock", inventory=inv)
+    res = run_invoke("deploy", "--variant", "baseline", "--force", "--break-lock", inventory=inv)
     assert res.returncode == 0, res.stderr
     assert "breaking the deploy lock held by alice@other-laptop" in res.stderr
     assert not (root / "deploy.lock").exists()
@@ -165,7 +169,7 @@ def test_never_healthy_times_out_and_rolls_back(deploy_lab, tmp_path):
     good = current(lab)
     books = playbooks_with(tmp_path, stuck="extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\n"
                                           "health: {timeout: 3, interval: 0.5}\n")
-    res = run_invoke("deploy", "--variant", "stuck", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    res = run_invoke("deploy", "--variant", "stuck", "--force", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
     assert res.returncode != 0
     assert "timeout: not healthy after 3s" in res.stdout + res.stderr
     assert f"rolled back to {good}" in res.stderr and current(lab) == good
@@ -190,7 +194,7 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     good = current(lab)
     books = playbooks_with(tmp_path, slow="extends: baseline\nenv: {SGLANG_DOUBLE_LOAD_TIME: '30'}\n")
     env = dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books), NO_COLOR="1")
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow", "--force"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not list((root_of(lab) / "releases").glob("*-slow")):
@@ -200,7 +204,7 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     proc.wait()
     assert (root_of(lab) / "deploy.lock").exists()
     assert (root_of(lab) / "current").is_symlink()  # current is always a whole release
-    res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+    res = run_invoke("deploy", "--variant", "baseline", "--force", inventory=inv)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "breaking the deploy lock" in res.stderr and "is gone" in res.stderr
     assert current(lab).endswith("-baseline") and current(lab) != good

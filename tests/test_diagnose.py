@@ -75,6 +75,12 @@ def test_verdicts_and_exit_codes():
     assert HostReport("h", 2).verdict == "no known issue matched — 2 error(s) found" and HostReport("h", 2).exit_code == 1
     rep = HostReport("h", 3, [("port-in-use", "port-in-use")])
     assert rep.verdict == "matched: port-in-use (port-in-use)" and rep.exit_code == 0
+    # a server that died is never "no errors found", even when nothing else was recognised
+    died = HostReport("h", 0, ended={"line": 9, "text": "Killed", "how": "died"})
+    assert died.verdict == "no known issue matched — the server ended abnormally: Killed" and died.exit_code == 1
+    cut = HostReport("h", 1, ended={"line": 3, "text": 'File "/x.py", line 1, in f', "how": "mid-traceback"})
+    assert cut.verdict.endswith("(the log stops inside a traceback)") and cut.exit_code == 1
+    assert HostReport("h", 1, [("port-in-use", "port-in-use")], {"line": 1, "text": "Killed"}).exit_code == 0
 
 
 def test_redaction_masks_inventory_secrets_and_obvious_tokens():
@@ -181,7 +187,8 @@ def test_offline_json_needs_no_host(tmp_path):
     assert res.stderr.strip().endswith("matched: quantization-needs-newer-gpu (quantization)")
     res = run_invoke("diagnose", "-o", "-l", str(REAL / "sglang-10350-segfault-pd.log"), env=env)
     assert res.returncode == 1
-    assert res.stdout.strip().splitlines()[-1] == "no known issue matched — 1 error(s) found"
+    assert res.stdout.strip().splitlines()[-1] == \
+        "no known issue matched — the server ended abnormally: Fatal Python error: Segmentation fault"
     clean = tmp_path / "clean.log"
     clean.write_text("[2026-01-01 00:00:00] The server is fired up and ready to roll!\n")
     res = run_invoke("diagnose", "-o", "-l", str(clean), env=env)

@@ -31,7 +31,11 @@ def hits_of(text):
 # -- the corpus itself -------------------------------------------------------------------------
 
 def test_manifest_readme_and_logs_agree():
-    logs = {p.name for p in REAL.glob("*.log")}
+    # vllm-lab-*.log were made here by the real vLLM on the lab, not taken from a thread: the
+    # README's own section says how each was made
+    made_here = {p.name for p in REAL.glob("vllm-lab-*.log")}
+    logs = {p.name for p in REAL.glob("*.log")} - made_here
+    assert all(name in (REAL / "README.md").read_text() for name in made_here)
     listed = [e["file"] for e in MANIFEST]
     assert sorted(listed) == sorted(logs) and len(set(listed)) == len(listed)
     readme = (REAL / "README.md").read_text()

@@ -80,7 +80,7 @@ def test_multi_node_variant_renders_per_node_and_gates_on_rank0(fleet, tmp_path)
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     bad = run_invoke("deploy", "--variant", "tp16", "-H", "lab1,lab2,lab3", inventory=inv, env=env)
     assert bad.returncode == 2 and "select a multiple of 2 hosts (got 3)" in bad.stderr
-    res = run_invoke("deploy", "--variant", "tp16", "-H", "lab1,lab2", inventory=inv, env=env)
+    res = run_invoke("deploy", "--variant", "tp16", "--force", "-H", "lab1,lab2", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "lab1 : changed - deployed" in res.stdout and "on 2 nodes" in res.stdout
     scripts = {h: (lab.tmp / f"deploy-{h}" / "current" / "launch.sh").read_text() for h in ("lab1", "lab2")}

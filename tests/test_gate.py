@@ -147,3 +147,28 @@ def test_gate_lines_print_plain_numbers_with_units():
     assert num(40123.4, "output_tps") == "40,123 tok/s" and "e+" not in num(1.5e6, "output_tps")
     assert num(512.34, "ttft_p99") == "512.3 ms" and num(0.95, "goodput") == "0.95"
     assert num(12.5, "request_rate") == "12.5 req/s"
+
+
+def test_a_single_run_comparison_says_it_has_no_noise_estimate():
+    """Issue 20.2: one run per side gives no interval; the gate line says so (with --repeat it
+    gives the difference's interval instead, above)."""
+    run = {"levels": [level(8, output_tps=1050.0)]}
+    base = {"levels": [level(8, output_tps=1000.0)]}
+    ok, lines = evaluate(parse_gate("output_tps@8 >= 1.02*base"), run, lambda v: base)
+    assert ok and lines[0].endswith("; single run: no noise estimate)"), lines
+    ok, lines = evaluate(parse_gate("output_tps@64 >= 1.01*base"), _repeated([1040.0, 1042.0, 1038.0]),
+                         lambda v: _repeated([1000.0, 1010.0, 990.0]))
+    assert "single run" not in lines[0] and "±" in lines[0]
+
+
+def test_violations_read_as_what_failed():
+    """Issue 20.4: a violated constraint as its measurement against its bound."""
+    from servops.gate import verdicts, violation
+
+    run = {"levels": [level(256, ttft_p99=742.2, output_tps=900.0, failed=3, completed=17)]}
+    vs = verdicts(parse_gate("p99_ttft_ms@256 <= 300, output_tps@256 >= 1.02*base, error_rate <= 0.05"), run,
+                  lambda v: {"levels": [level(256, output_tps=1000.0)]})
+    assert [violation(v) for v in vs if not v.ok] == [
+        "p99_ttft_ms@256 = 742.2 > 300", "output_tps@256 = 900.0 < 1.02*base = 1,020", "failed@256 = 15.0% > 5%"]
+    vs = verdicts(parse_gate("output_tps@256 >= 1"), run, lambda v: None)
+    assert [violation(v) for v in vs if not v.ok] == ["failed@256 = 3 of 20 requests > 0"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MARKER, REPO, healthy, one_line_error, playbooks_with, root_of, run_invoke
+from conftest import MARKER, REPO, current, healthy, one_line_error, playbooks_with, root_of, run_invoke, server_pid
 from servops import remote
 from servops.errors import InventoryError
 from servops.inventory import parse_inventory
@@ -25,18 +25,6 @@ from servops.lab.sshd import free_port
 
 CPP_EXT = "flashinfer/jit/cpp_ext.py"
 pytestmark = pytest.mark.usefixtures("no_marker")
-
-
-def current(lab) -> str | None:
-    link = root_of(lab) / "current"
-    return os.readlink(link).split("/")[-1] if link.is_symlink() else None
-
-
-def server_pid(lab) -> int | None:
-    try:
-        return json.loads((root_of(lab) / "server.pid").read_text())["pid"]
-    except OSError:
-        return None
 
 
 def host_untouched(lab, before: dict) -> None:
@@ -62,10 +50,10 @@ def test_1_env_names_are_validated_where_env_is_read(alab, tmp_path):
     before = snapshot(lab)
     bad = lab.inventory(host_vars={"lab1": {"server_port": free_port()}},
                         group_vars={"env": {f"K$(touch {MARKER})": "v"}}, filename="bad.yml")
-    one_line_error(run_invoke("deploy", "--variant", "baseline", inventory=bad),
+    one_line_error(run_invoke("deploy", "--variant", "baseline", "--force", inventory=bad),
                    "bad.yml", "env", "is not an environment variable name")
     books = playbooks_with(tmp_path, spaced="extends: baseline\nenv: {'BAD KEY': v}\n")
-    res = run_invoke("deploy", "--variant", "spaced", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+    res = run_invoke("deploy", "--variant", "spaced", "--force", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
     one_line_error(res, "spaced.yml", "env", "'BAD KEY'")
     host_untouched(lab, before)
 
@@ -150,9 +138,9 @@ def test_9_a_failure_after_stop_rolls_back(alab, tmp_path):
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
     good = current(lab)
     # The new release's start fails on the host (disk full): the old server is already stopped.
-    res = run_invoke("deploy", "--variant", "broken", inventory=inv,
+    res = run_invoke("deploy", "--variant", "broken", "--force", inventory=inv,
                      env=dict(env, SERVOPS_INJECT_FAILURE="start:-broken"))
-    assert res.returncode == 2
+    assert res.returncode == 4  # restored: rolled back to the healthy release (exit contract)
     assert "No space left on device" in res.stderr and f"rolled back to {good}" in res.stderr
     assert current(lab) == good and healthy(port)
     assert not (root_of(lab) / "deploy.lock").exists()
@@ -165,7 +153,7 @@ def test_9_when_the_rollback_fails_too_the_line_says_the_host_is_down(alab, tmp_
     books = playbooks_with(tmp_path, broken="extends: baseline\n")
     env = {"SERVOPS_PLAYBOOKS": str(books)}
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
-    res = run_invoke("deploy", "--variant", "broken", inventory=inv, env=dict(env, SERVOPS_INJECT_FAILURE="start:"))
+    res = run_invoke("deploy", "--variant", "broken", "--force", inventory=inv, env=dict(env, SERVOPS_INJECT_FAILURE="start:"))
     assert res.returncode == 2
     assert "the host has no healthy server" in res.stderr and "invoke rollback -H lab1" in res.stderr
     assert not (root_of(lab) / "deploy.lock").exists()
@@ -183,7 +171,7 @@ def test_10_and_20_bad_deploy_input_is_refused_before_the_host(alab, args, needl
     lab, inv, _port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
-    one_line_error(run_invoke("deploy", "--variant", "baseline", *args, inventory=inv), *needles)
+    one_line_error(run_invoke("deploy", "--variant", "baseline", "--force", *args, inventory=inv), *needles)
     host_untouched(lab, before)
 
 
@@ -197,7 +185,7 @@ def test_20_bad_inventory_values_leave_no_trace(alab, host_vars, needles):
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     bad = lab.inventory(host_vars={"lab1": dict({"server_port": port}, **host_vars)}, filename="bad.yml")
-    one_line_error(run_invoke("deploy", "--variant", "baseline", inventory=bad), *needles)
+    one_line_error(run_invoke("deploy", "--variant", "baseline", "--force", inventory=bad), *needles)
     host_untouched(lab, before)
 
 
@@ -211,7 +199,7 @@ def test_20_bad_variants_leave_no_trace(alab, tmp_path, variant, needles):
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     before = snapshot(lab)
     books = playbooks_with(tmp_path, bad=variant)
-    one_line_error(run_invoke("deploy", "--variant", "bad", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)}),
+    one_line_error(run_invoke("deploy", "--variant", "bad", "--force", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)}),
                    "bad.yml", *needles)
     host_untouched(lab, before)
 
@@ -224,7 +212,7 @@ def test_12_the_host_guard_rolls_back_when_the_controller_dies(alab, tmp_path):
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good = current(lab)
     books = playbooks_with(tmp_path, crashing="extends: piecewise\nenv: {SGLANG_DOUBLE_LOAD_TIME: '2'}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "crashing", "--skip-patches"],
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "crashing", "--force", "--skip-patches"],
                             cwd=REPO, env=dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -283,7 +271,7 @@ def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(alab, tmp
     res = run_invoke("logs", "--lines", "50", inventory=inv, env=env)
     assert res.returncode == 0 and "--api-key ***" in res.stdout  # the server logged it; masked on the host
     outputs.append(res)
-    res = run_invoke("deploy", "--variant", "secretcrash", "--skip-patches", inventory=inv, env=env)
+    res = run_invoke("deploy", "--variant", "secretcrash", "--force", "--skip-patches", inventory=inv, env=env)
     assert res.returncode == 2 and "server.log excerpt" in res.stderr
     outputs.append(res)
     # a secret given only as a flag (--api-key <literal>) goes to the secrets file too
@@ -292,7 +280,7 @@ def test_14_15_a_variant_only_secret_never_shows_and_files_are_private(alab, tmp
     res = run_invoke("render", "--variant", "flagonly", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books2)})
     assert res.returncode == 0 and '--api-key "$SERVOPS_ARG_API_KEY"' in res.stdout
     outputs.append(res)
-    res = run_invoke("deploy", "--variant", "flagonly", "--diff", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books2)})
+    res = run_invoke("deploy", "--variant", "flagonly", "--force", "--diff", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books2)})
     assert res.returncode == 0 and "--api-key ***" in run_invoke("logs", inventory=inv).stdout
     outputs.append(res)
     for r in outputs:
@@ -441,7 +429,7 @@ def test_12_a_controller_lost_before_the_restart_leaves_the_old_server_and_undoe
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good, pid = current(lab), server_pid(lab)
     journal = root_of(lab) / "journal.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "piecewise"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "piecewise", "--force"], cwd=REPO,
                             env=dict(os.environ, SERVOPS_INVENTORY=str(inv)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60

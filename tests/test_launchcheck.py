@@ -97,3 +97,37 @@ def test_multi_node_variant_is_checked_per_node(lab, tmp_path):
         assert row["facts"]["gpus_needed"] == 8 and row["ok"]  # tp 16 over 2 nodes: 8 GPUs each
     bad = run_invoke("check", "--variant", "tp16", "-H", "lab1", inventory=inv, env=env)
     assert bad.returncode == 2 and "runs on 2 nodes per server; select a multiple of 2 hosts" in bad.stderr
+
+
+def test_several_hosts_get_one_compact_table_and_v_gives_each_hosts_detail(lab, sglang_release, tmp_path):
+    """Issue 20.5: `check` over three hosts printed one 300-column table per host; now one row per
+    host (host, sglang, flags, model, port, GPUs, verdict), each host's detail with --verbose
+    (-v is --variant here)."""
+    env = sglang_release("0.5.23")
+    busy = free_port()
+    inv = lab.inventory(n_hosts=3, host_vars={"lab1": {"server_port": free_port()},
+                                              "lab2": {"server_port": free_port(), "venv": str(env["venv"])},
+                                              "lab3": {"server_port": busy}})
+    books = playbooks_with(tmp_path, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 128}\n")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", busy))
+        s.listen()
+        res = run_invoke("check", "--variant", "typo", inventory=inv, env={"SERVOPS_PLAYBOOKS": str(books)})
+        verbose = run_invoke("check", "--variant", "typo", "--verbose", inventory=inv,
+                             env={"SERVOPS_PLAYBOOKS": str(books)})
+    assert res.returncode == 2 and verbose.returncode == 2
+    out = res.stdout
+    assert "launch check of typo on 3 hosts" in out and out.count("launch check of") == 1, out
+    header = next(l for l in out.splitlines() if "sglang" in l and "verdict" in l)
+    assert [c.strip() for c in header.strip("┃ ").split("┃")] == ["host", "sglang", "flags", "model", "port", "GPUs",
+                                                              "verdict"]
+    rows = {l.split("│")[1].strip(): [c.strip() for c in l.split("│")[1:-1]] for l in out.splitlines()
+            if l.startswith("│") and l.split("│")[1].strip() in ("lab1", "lab2", "lab3")}
+    assert rows["lab1"][1] == "not installed" and rows["lab1"][6] == "ok"
+    assert rows["lab2"][1] == "0.5.23 (real)" and rows["lab2"][2].startswith("1 of ") and rows["lab2"][2].endswith("refused")
+    assert rows["lab2"][6].startswith("REFUSED: --cuda-graph-max-bz: unrecognized on sglang 0.5.23")
+    assert rows["lab3"][4] == f"{busy} IN USE" and rows["lab3"][6].startswith(f"REFUSED: port {busy} is already in use")
+    assert max(len(l) for l in out.splitlines()) < 300
+    # --verbose: each host's own detail table, as one host gets by default
+    assert verbose.stdout.count("launch check of typo") == 3 and "round trip" in verbose.stdout

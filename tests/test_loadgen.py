@@ -88,7 +88,10 @@ def test_latencies_match_the_double_and_keys_match_bench_serving(double):
         assert line["slo_attainment"] == 1.0 and line["request_goodput"] == pytest.approx(line["request_throughput"])
         s = line["servops"]
         assert s["output_tokens_from"] == "usage" and s["input_len_unit"] == "words"
-        assert s["warmup"] == {"requests": 2, "ok": 2} and s["flush_cache"]["ok"] is True
+        warm = s["warmup"]  # --warmup 2: one wave of 2 requests, at the level's concurrency and lengths
+        assert (warm["mode"], warm["requests"], warm["ok"], warm["converged"]) == ("fixed", 2, 2, None), warm
+        assert warm["prompt_lens"] == [16, 16] and warm["output_len"] == 10 and len(warm["waves"]) == 1
+        assert s["flush_cache"]["ok"] is True
         sm = s["server_metrics"]   # the server's own view of the same level (warmup excluded)
         if "error" not in sm:  # a scrape that timed out on a loaded machine says so instead
             assert sm["requests"] == 8 and sm["generation_tokens"] == 80 and sm["histograms"]["ttft"]["count"] == 8, sm
@@ -99,6 +102,52 @@ def test_latencies_match_the_double_and_keys_match_bench_serving(double):
     assert 2.5 <= lines[1]["concurrency"] <= 4.0
     # a line round-trips through json as bench_serving writes it (Infinity for an unset rate)
     assert json.loads(json.dumps(lines[1]))["request_rate"] == math.inf
+
+
+def test_adaptive_warmup_absorbs_first_use_compilation(double):
+    """Issue 20.1: a server whose first request at each new batch size or prompt length pays
+    400 ms (kernels compiled on first use). One warm-up request leaves that in the measured
+    TTFT p99 of the levels above 1; the default warm-up, waves at each level's concurrency until
+    their TTFT settles, leaves it out of every level, and says what it sent."""
+    first_use = dict(TTFT=0.01, TOKEN_DELAY=0.005, FIRST_USE_DELAY=0.4)
+    args = dict(levels=[1, 4, 16], requests=32, output_len=8, flush_cache=True)
+    lines, _ = run(double(**first_use).port, warmup=1, **args)
+    skewed = {l["max_concurrency"]: l["p99_ttft_ms"] for l in lines if l["p99_ttft_ms"] > 300}
+    assert set(skewed) == {4, 16}, skewed  # each compiled its new batch sizes in the measured run
+    lines, _ = run(double(**first_use).port, warmup="auto", **args)
+    assert len(lines) == 3
+    for line in lines:
+        level, warm = line["max_concurrency"], line["servops"]["warmup"]
+        assert line["p99_ttft_ms"] < 150, (level, line["p99_ttft_ms"], warm)
+        assert warm["mode"] == "adaptive" and warm["converged"] is True and warm["why"].startswith("wave "), warm
+        waves = warm["waves"]
+        size = max(level, loadgen.WARMUP_MIN_WAVE)  # level 1: 8 requests one after another, not 1
+        assert all(w["requests"] == size for w in waves) and warm["requests"] == size * len(waves)
+        assert waves[0]["ttft_max_ms"] > 300 and len(waves) >= 3   # wave 1 compiled; 2 and 3 agree
+        assert loadgen.settled(waves[-2]["ttft_mean_ms"] / 1000, waves[-1]["ttft_mean_ms"] / 1000)
+    # the bench's own summary line says what warm-up did
+    result = finish({"runs": [run_summary(l) for l in lines], "warnings": []}, [1, 4, 16])
+    assert not any("warm-up" in w for w in result["warnings"]), result["warnings"]
+    from servops.bench import warmup_text
+    assert warmup_text(run_summary(lines[2])["warmup"]).endswith("settled")
+
+
+def test_warmup_off_and_bounded(double):
+    """--warmup 0 sends nothing before the level; an adaptive warm-up that never settles stops
+    at its bounds (waves, seconds) and the result says so."""
+    d = double(TTFT=0.01)
+    lines, _ = run(d.port, warmup=0, requests=4)
+    assert lines[0]["servops"]["warmup"] == {"mode": "off", "requests": 0}
+    # a slow server: the first wave (8 requests of 0.3 s, one at a time) outlasts a 1 s budget
+    d = double(TTFT=0.3)
+    started = time.monotonic()
+    lines, _ = run(d.port, warmup="auto", requests=2, warmup_s=1.0)
+    assert time.monotonic() - started < 20
+    warm = lines[0]["servops"]["warmup"]
+    assert warm["converged"] is False and "stopped after 1s" in warm["why"] and not warm["waves"], warm
+    assert lines[0]["completed"] == 2  # the level itself still ran
+    result = finish({"runs": [run_summary(lines[0])], "warnings": []}, [1])
+    assert any("the warm-up did not settle" in w for w in result["warnings"]), result["warnings"]
 
 
 def test_goodput_when_half_the_requests_miss_the_slo(double):

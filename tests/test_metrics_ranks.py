@@ -88,3 +88,58 @@ def test_watch_shows_windowed_quantiles_next_to_the_since_start_ones(ranks8):
     assert "last" not in first.splitlines()[1]          # one scrape: no window yet
     header = next(l for l in later.splitlines() if "TTFT" in l)
     assert "TTFT p50/p90/p99 ms" in header and re.search(r"TTFT last [\d.]+s", header) and "req/s" in header
+
+
+def test_watch_on_a_terminal_redraws_in_place_and_keeps_p99_at_120_columns(ranks8):
+    """Issue 20.5: on a 120-column terminal `metrics --watch` redraws one display in place (rich
+    Live: the cursor goes back up over the last frame) instead of scrolling table after table,
+    and its windowed columns keep p99 whole."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+
+    inv, port = ranks8
+    for t in busy(port, 3, 4):  # some history: the first frame's since-start quantiles
+        t.join(30)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, SERVOPS_INVENTORY=str(inv), TERM="xterm", COLUMNS="120", LINES="40", PYTHONUNBUFFERED="1")
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "metrics", "--watch", "0.5"], cwd=REPO, env=env,
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    data = b""
+
+    def read(seconds):
+        nonlocal data
+        end = time.time() + seconds
+        while time.time() < end:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    data += os.read(master, 65536)
+                except OSError:
+                    return
+
+    try:
+        busy(port, 4, 40)
+        read(8)
+        proc.send_signal(signal.SIGINT)
+        read(3)
+        proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    text = data.decode("utf-8", "replace")
+    assert re.search(r"\x1b\[\d*A", text), text[-2000:]                     # back up over the last frame
+    assert text.count("server metrics") >= 3, text[-2000:]                   # redrawn, several times
+    frames = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f) for f in text.split("server metrics")[1:]]
+    for frame in frames:
+        assert "TTFT p50/p99 ms" in frame and "…" not in frame, frame
+        assert all(len(line) <= 120 for line in frame.splitlines()), frame
+    rows = [next(l for l in f.splitlines() if "lab1" in l) for f in frames]
+    assert any(re.fullmatch(r" [\d.]+/[\d.]+ *", r.split("│")[5]) for r in rows), rows  # TTFT p50/p99, whole

@@ -109,3 +109,28 @@ def test_a_missing_ratio_prints_a_dash_not_a_dangling_percent():
 
     assert _pct_cell({"token_usage": None}, "token_usage") == "-"
     assert _pct_cell({"token_usage": 0.415}, "token_usage") == "41.5%"
+
+
+def test_the_watch_table_keeps_p99_visible_at_120_columns():
+    """Issue 20.5: at a terminal's 120 columns the windowed table kept p99 cut off ('…'); the
+    watch layout (the window's p50/p99 in unbroken columns) shows every p99 whole."""
+    from rich.console import Console
+
+    from servops.metrics import metrics_table
+
+    gauges = (ranked("sglang:num_running_reqs", [12] * 8) + ranked("sglang:num_queue_reqs", [3] * 8)
+              + ranked("sglang:token_usage", [0.42 + 0.01 * r for r in range(8)])
+              + ranked("sglang:cache_hit_rate", [0.25] * 8) + ranked("sglang:gen_throughput", [3100.0] * 8))
+    first = summarise(parse(HIST.format(a=100, b=100) + gauges, "h"))
+    row = dict(summarise(parse(HIST.format(a=1100, b=3100) + gauges, "h")), host="gpu-node-17", gpus=[])
+    row["window"] = window(first, row, 2.0)
+    p99 = f"{row['window']['ttft']['p99'] * 1000:.1f}"
+    con = Console(width=120, record=True, color_system=None)
+    con.print(metrics_table([row], 120))
+    out = con.export_text()
+    assert "…" not in out and max(len(l) for l in out.splitlines()) <= 120, out
+    assert "TTFT p50/p99 ms" in out and p99 in out and "last 2s" in out and "gpu-node-17" in out, out
+    wide = Console(width=250, record=True, color_system=None)
+    wide.print(metrics_table([row], 250))  # room for everything: since start and the window, p90 too
+    out = wide.export_text()
+    assert "TTFT p50/p90/p99 ms" in out and "TTFT last 2s" in out, out

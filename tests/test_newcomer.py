@@ -143,7 +143,7 @@ def test_ctrl_c_during_a_deploy_rolls_back_and_says_so(lab, tmp_path):
         root = lab.tmp / "deploy-lab1"
         good = os.readlink(root / "current").split("/")[-1]
         # Ctrl-C as a terminal delivers it (a background CI job inherits SIGINT ignored)
-        proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow", "--force"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         out = ""

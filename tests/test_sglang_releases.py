@@ -103,7 +103,7 @@ def test_both_variants_validate_and_deploy_and_a_typo_is_refused(lab, sglang_rel
         res = run_invoke("status", inventory=inv, env=benv)  # the server's own version and launch command
         assert res.returncode == 0 and f" {version} " in res.stdout.replace("│", " ")
         assert ("launched as:" in res.stdout and "--cuda-graph-max-bs-decode 256" in res.stdout) == (version == "0.5.23")
-        res = run_invoke("deploy", "--variant", "piecewise", inventory=inv, env=benv)
+        res = run_invoke("deploy", "--variant", "piecewise", "--force", inventory=inv, env=benv)
         assert res.returncode == 0, res.stdout + res.stderr
         assert f"patches: apply {PATCH}" in res.stdout
         log = (lab.tmp / "deploy-lab1" / "current" / "server.log").read_text()
@@ -138,7 +138,7 @@ def test_deploy_refuses_a_bad_flag_before_anything_stops(lab, sglang_release, tm
         pid = server_pid(lab)
         releases = sorted(p.name for p in (lab.tmp / "deploy-lab1" / "releases").iterdir())
         for args in (["--dry-run"], []):
-            res = run_invoke("deploy", "--variant", "typo", *args, inventory=inv, env=benv)
+            res = run_invoke("deploy", "--variant", "typo", "--force", *args, inventory=inv, env=benv)
             assert res.returncode == 2
             assert f"--cuda-graph-max-bz: unrecognized on sglang {version}" in res.stderr
             assert ("--cuda-graph-max-bs-decode" if version != "0.5.9" else "did you mean --cuda-graph-max-bs,") in res.stderr

@@ -58,3 +58,28 @@ def test_secrets_never_reach_the_output(lab):
     inv = lab.inventory(group_vars={"env": {"HF_TOKEN": "hf_TOPSECRET123", "CUDA_HOME": str(lab.cuda_home())}})
     res = run_invoke("render", "--variant", "baseline", "-H", "lab1", inventory=inv)
     assert res.returncode == 0 and ". ./secrets.env" in res.stdout and "hf_TOPSECRET123" not in res.stdout
+
+
+def test_an_sshd_that_never_sends_its_banner_is_one_line(lab):
+    """Issue 18 #15: the one-line error, and nothing of paramiko's own logging (a traceback)."""
+    from conftest import one_line_error
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.2", 0))
+        silent.listen(8)  # accepts, never speaks
+        inv = lab.inventory(host_vars={"lab1": {"ssh_port": silent.getsockname()[1]}},
+                            group_vars={"connect_timeout": 1})
+        res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
+    one_line_error(res, "lab1", "did not answer within 1s")
+
+
+def test_a_missing_ssh_key_names_the_inventory_host_and_key(lab, tmp_path):
+    """Issue 18 #16: not paramiko's bare "No such file or directory"."""
+    from conftest import one_line_error
+
+    missing = tmp_path / "no-such-key"
+    inv = lab.inventory(group_vars={"ssh_key": str(missing)})
+    res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
+    one_line_error(res, str(inv), "host 'lab1'", f"ssh_key {missing} does not exist")
+    res = run_invoke("inspect", "--file", CPP_EXT, inventory=lab.inventory(group_vars={"ssh_key": str(tmp_path)}))
+    one_line_error(res, f"ssh_key {tmp_path} is not a file")

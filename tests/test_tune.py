@@ -84,12 +84,17 @@ def check_outcomes(entries: list[dict]) -> None:
     assert d["piece"]["outcome"] == "crashed"
     assert d["piece"]["findings"][0]["entry"] == "dynamo-get-cuda-version-subprocess"
     assert d["piece-with-cuda-version-no-subprocess"]["outcome"] == "ok"
-    assert d["queued"]["outcome"] == "infeasible" and "p99_ttft_ms@16 <= 300" in " ".join(d["queued"]["violations"])
+    assert d["queued"]["outcome"] == "infeasible"
+    assert re.fullmatch(r"p99_ttft_ms@16 = [\d,.]+ > 300", d["queued"]["violations"][0]), d["queued"]["violations"]
     assert d["dup"]["outcome"] == "duplicate" and d["dup"]["same_as"] == "base"
     feasible = {t: e["objective"] for t, e in d.items() if e["outcome"] == "ok"}
     assert max(feasible, key=feasible.get) == "grid-32"
     # the flag really moves the numbers: graphs up to 32 beat eager steps above 4
     assert feasible["grid-32"] > 1.5 * feasible["base"]
+    # no min_gain in the campaign: the base was benched twice, and their spread is the noise band
+    noise = d["base"]["noise"]
+    assert len(noise["values"]) == 2 and noise["band"] == pytest.approx(
+        abs(noise["values"][0] - noise["values"][1]) / (sum(noise["values"]) / 2))
 
 
 def test_campaign_runs_resumes_and_reports(tune_lab, tmp_path):
@@ -111,26 +116,32 @@ def test_campaign_runs_resumes_and_reports(tune_lab, tmp_path):
     assert not lab.tmp.joinpath("deploy-lab1", "releases").exists()
 
     # run, and SIGKILL the controller in the middle of the fifth trial
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "tune", "labcamp", "-H", "lab1"], cwd=REPO,
-                            env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1", **env),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and not any(e.get("trial") == "grid-32" and e["phase"] == "start"
-                                             for e in trials(results)):
-        assert proc.poll() is None, "tune ended before the kill"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    printed = tmp_path / "tune.out"
+    with open(printed, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "invoke", "tune", "labcamp", "-H", "lab1"], cwd=REPO,
+                                env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1", PYTHONUNBUFFERED="1",
+                                         **env), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while time.time() < deadline and not any(e.get("trial") == "grid-32" and e["phase"] == "start"
+                                                 for e in trials(results)):
+            assert proc.poll() is None, "tune ended before the kill"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     before = done(trials(results))
     assert {"base", "piece", "piece-with-cuda-version-no-subprocess", "grid-8"} <= set(before) and "grid-32" not in before
+    check_compact_output(printed.read_text(), before)
 
     res = run_invoke("tune", "labcamp", "-H", "lab1", inventory=inv, env=env)
     assert res.returncode == 2 and "--resume" in res.stderr  # never silently starts over
-    res = run_invoke("tune", "labcamp", "-H", "lab1", "--resume", inventory=inv, env=env, timeout=600)
+    res = run_invoke("tune", "labcamp", "-H", "lab1", "--resume", "-v", inventory=inv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "lab1 : changed - winner grid-32" in res.stdout
+    assert re.search(r"lab1  \[ *[\d.]+s\] health", res.stdout), res.stdout  # -v: the deploys' own phase lines
     entries = trials(results)
     check_outcomes(entries)
+    check_summary(res.stdout, done(entries))
+    assert "unreadable" not in res.stderr and "chain broken" not in res.stderr, res.stderr  # the log is whole
     for tid, e in before.items():  # nothing finished is repeated
         assert [x for x in entries if x.get("trial") == tid and x["phase"] == "done"] == [e]
     assert current_variant(lab) == "labcamp-grid-32"  # leave: best
@@ -142,25 +153,81 @@ def test_campaign_runs_resumes_and_reports(tune_lab, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     d = results / "lab1" / "campaigns" / "labcamp"
     md = (d / "report.md").read_text()
-    assert "**winner: grid-32**" in md and "--cuda-graph-max-bs 32" in md and "dynamo-get-cuda-version-subprocess" in md
+    assert "**winner: grid-32**" in md and "--cuda-graph-max-bs: 4 -> 32" in md and "dynamo-get-cuda-version-subprocess" in md
     drift = next(e for e in entries if e["phase"] == "drift")
     assert drift["outcome"] == "measured" and f"{drift['drift_pct']:+.1f}%" in md
     page = d / "report.html"
     assert "src='data:image/png;base64," in page.read_text() and "http" not in re.sub(r"data:[^']+", "", page.read_text())
-    dom = browser_dom(page, tmp_path)
-    rows = TableRows()
-    rows.feed(dom)
+    check_report(Dom(browser_dom(page, tmp_path)), done(entries))
+
+
+def check_compact_output(text: str, finished: dict[str, dict]) -> None:
+    """Issue 20.3: one line per trial phase, a real ETA after the first trial, a crash as its
+    diagnosis and the command that shows it; no deploy details (they are behind -v)."""
+    lines = [l for l in text.splitlines() if l.strip()]
+    assert "Traceback" not in text and "server.log excerpt" not in text and "lab1  [" not in text, text
+    phases = [l for l in lines if re.match(r"\[\d+/\d+\] ", l)]
+    assert len(lines) <= len(phases) + 3, text  # the opening line, nothing else per trial
+    for tid in finished:
+        mine = [l.split()[2] for l in phases if l.split()[1] == tid]
+        assert mine and mine[-1] == "done" and len(mine) == len(set(mine)), (tid, mine)
+    first_done = next(i for i, l in enumerate(phases) if l.split()[2] == "done")
+    assert "ETA after the first trial" not in phases[first_done]
+    assert all(re.search(r"ETA \d+m\d\ds \(\d+ left x \d+m\d\ds\)|last trial", l)
+               for l in phases if l.split()[2] == "done" and "not run again" not in l), text
+    crash = next(l for l in phases if l.split()[1:3] == ["piece", "diagnose"])
+    release = finished["piece"]["release"]
+    assert "dynamo-get-cuda-version-subprocess (dynamo-trace): torch._dynamo.exc.Unsupported" in crash, crash
+    assert crash.endswith(f"see: invoke diagnose --release {release} -H lab1"), crash
+    assert any(l.split()[1:3] == ["base", "noise"] and "min_gain" in l for l in phases), text
+
+
+def check_summary(text: str, final: dict[str, dict]) -> None:
+    """The table at the end: every trial, its changed flags, objective, constraints, verdict."""
+    table = text[text.index("campaign labcamp: maximize output_tps@16"):]
+    for tid in final:
+        assert re.search(rf"│ {re.escape(tid)} +│", table), tid
+    assert "--cuda-graph-max-bs: 4 -> 32" in table and "+ patch cuda-version-no-subprocess" in table and "WINNER" in table
+    assert re.search(r"p99_ttft_ms@16 = [\d,.]+ > +│|p99_ttft_ms@16 = [\d,.]+ >", table)
+    assert "duplicate of base" in table and "crashed: dynamo-get-cuda-version-subprocess" in table
+
+
+def check_report(dom: "Dom", final: dict[str, dict]) -> None:
+    """Issue 20.4, read from the page as Chromium rendered it."""
     from servops.tunereport import fmt
 
-    final = done(entries)
-    shown = {r["trial"]: r for r in rows.rows}
-    assert set(shown) == set(final)
+    heads = [th.text() for th in dom.find("th")]
+    assert len(heads) == len(set(heads)) and "output tok/s" not in heads, heads  # the objective is output_tps@16
+    assert "output_tps@16" in heads and "vs base" in heads
+    rows = {tr.attrs["data-trial"]: tr for tr in dom.find("tr") if "data-trial" in tr.attrs}
+    assert set(rows) == set(final)
+    base = final["base"]["objective"]
     for tid, e in final.items():
+        cell = {td.attrs["data-key"]: td for td in rows[tid].find("td")}
         m = (e.get("metrics") or {}).get("16") or {}
-        assert shown[tid]["output_tps"] == fmt(m.get("output_tps")), tid
-        assert shown[tid]["ttft_p99"] == fmt(m.get("ttft_p99")), tid
-        assert shown[tid]["objective"].split(" ± ")[0] == fmt(e.get("objective")), tid
-    assert rows.winner == "grid-32" and rows.images == 2
+        assert cell["objective"].text() == fmt(e.get("objective")), tid  # one run: no ± anywhere
+        assert cell["ttft_p99"].text() == fmt(m.get("ttft_p99")), tid
+        if e.get("objective") is not None and tid != "base":
+            assert cell["vs_base"].text() == f"{(e['objective'] - base) / base * 100:+.1f}%", tid
+    flags = [div.text() for div in rows["piece-with-cuda-version-no-subprocess"].find("div", **{"class": "flag"})]
+    assert flags == ["--enable-piecewise-cuda-graph: unset -> on"], flags  # one flag per line
+    assert [div.text() for div in rows["grid-32"].find("div", **{"class": "flag"})] == ["--cuda-graph-max-bs: 4 -> 32"]
+    assert re.search(r"violates p99_ttft_ms@16 = [\d,.]+ > 300$", rows["queued"].find("td")[3].text())
+    assert [c.text() for c in dom.find("code", **{"class": "constraint"})] == ["p99_ttft_ms@16 <= 300", "failed == 0"]
+    assert "±" not in dom.find("p", id="footnote")[0].text()
+    assert [li.text() for li in dom.find("ul", id="winner-flags")[0].find("li")] == ["--cuda-graph-max-bs: 4 -> 32"]
+    # the Pareto front of each level, never across levels
+    for li in dom.find("ul", id="pareto")[0].find("li"):
+        lv = li.attrs["data-level"]
+        pts = {t: (e["metrics"][lv]["ttft_p99"], e["metrics"][lv]["output_tps"])
+               for t, e in final.items() if lv in (e.get("metrics") or {})}
+        front = {t for t, p in pts.items() if not any(q[0] <= p[0] and q[1] >= p[1] and q != p for q in pts.values())}
+        assert {s.attrs["data-trial"] for s in li.find("span", **{"class": "front"})} == front, (lv, front)
+    crash = next(li for li in dom.find("ul", id="crashes")[0].find("li") if li.attrs.get("data-trial") == "piece")
+    assert crash.find("li", **{"class": "exception"})[0].text().startswith(
+        "exception: torch._dynamo.exc.Unsupported: Attempted to call function marked as skipped")
+    assert dom.find("p", id="winner")[0].attrs["data-trial"] == "grid-32"
+    assert len([i for i in dom.find("img") if i.attrs.get("src", "").startswith("data:image/png;base64,")]) == 2
 
 
 def browser_dom(page: Path, tmp_path: Path) -> str:
@@ -175,35 +242,45 @@ def browser_dom(page: Path, tmp_path: Path) -> str:
     return out.stdout
 
 
-class TableRows(HTMLParser):
-    """The rendered trials table: per row, the trial and each data-key cell's text."""
+class Dom(HTMLParser):
+    """The page as a tree of elements: find(tag, **attrs) below a node, text() of a node."""
 
-    def __init__(self):
+    VOID = {"br", "img", "meta", "hr", "input", "link"}
+
+    def __init__(self, page: str = ""):
         super().__init__()
-        self.rows, self.row, self.key, self.winner, self.images = [], None, None, None, 0
+        self.tag, self.attrs, self.children, self.parts = "root", {}, [], []
+        self.stack = [self]
+        if page:
+            self.feed(page)
 
     def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "tr" and "data-trial" in a:
-            self.row = {"trial": a["data-trial"]}
-            self.rows.append(self.row)
-        elif tag == "td" and self.row is not None and "data-key" in a:
-            self.key = a["data-key"]
-            self.row[self.key] = ""
-        elif tag == "p" and a.get("id") == "winner":
-            self.winner = a.get("data-trial")
-        elif tag == "img" and (a.get("src") or "").startswith("data:image/png;base64,"):
-            self.images += 1
+        node = Dom.__new__(Dom)
+        node.tag, node.attrs, node.children, node.parts = tag, dict(attrs), [], []
+        self.stack[-1].children.append(node)
+        self.stack[-1].parts.append(node)
+        if tag not in self.VOID:
+            self.stack.append(node)
 
     def handle_endtag(self, tag):
-        if tag == "td":
-            self.key = None
-        elif tag == "tr":
-            self.row = None
+        for i in range(len(self.stack) - 1, 0, -1):
+            if self.stack[i].tag == tag:
+                del self.stack[i:]
+                break
 
     def handle_data(self, data):
-        if self.key and self.row is not None:
-            self.row[self.key] += data
+        self.stack[-1].parts.append(data)
+
+    def text(self) -> str:
+        return " ".join("".join(p if isinstance(p, str) else p.text() for p in self.parts).split())
+
+    def find(self, tag: str, **attrs) -> list["Dom"]:
+        out = []
+        for c in self.children:
+            if c.tag == tag and all(c.attrs.get(k) == v for k, v in attrs.items()):
+                out.append(c)
+            out.extend(c.find(tag, **attrs))
+        return out
 
 
 def test_every_candidate_passes_the_launch_preflight_before_the_first_restart(lab, sglang_release, tmp_path):
@@ -222,3 +299,41 @@ def test_every_candidate_passes_the_launch_preflight_before_the_first_restart(la
     assert res.returncode == 2 and time.monotonic() - started < 120
     assert "trial later" in res.stderr and "--cuda-graph-max-bz: unrecognized on sglang 0.5.23" in res.stderr
     assert not (lab.tmp / "deploy-lab1" / "releases").exists()
+
+
+def test_a_difference_within_min_gain_is_a_tie_the_incumbent_keeps(tmp_path):
+    """Issue 20.2: the lab crowned a trial "best so far" on a 0.4% single-run difference. A trial
+    now takes the lead only when it beats the incumbent by more than min_gain."""
+    from servops.campaign import load_campaign
+    from servops.tune import DEFAULT_MIN_GAIN, min_gain, standings
+
+    path = tmp_path / "c.yml"
+    path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16, min_gain: 2%}\n")
+    camp = load_campaign(str(path))
+    assert camp.min_gain == pytest.approx(0.02)
+    done = [{"trial": "base", "outcome": "ok", "objective": 1000.0},
+            {"trial": "a", "outcome": "ok", "objective": 1004.0},       # +0.4%
+            {"trial": "b", "outcome": "infeasible", "objective": 5000.0},
+            {"trial": "c", "outcome": "ok", "objective": 1030.0},       # +3.0%
+            {"trial": "d", "outcome": "ok", "objective": 1040.0},       # +1.0% over c
+            {"trial": "e", "outcome": "ok", "objective": 900.0}]
+    gain, how = min_gain(camp, done)
+    assert (gain, how) == (pytest.approx(0.02), "the campaign's min_gain")
+    winner, verdicts = standings(camp, done, gain)
+    assert winner["trial"] == "c"
+    assert verdicts["a"] == "tie: +0.4% vs base, within min_gain 2.0%; base stays best"
+    assert verdicts["c"] == "+3.0% over base: the new best" and verdicts["d"].startswith("tie: +1.0% vs c")
+    assert verdicts["e"] == "-12.6% vs c" and "b" not in verdicts
+    # minimize: lower is better, the same band
+    path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {minimize: p99_ttft_ms@16}\n")
+    camp = load_campaign(str(path))
+    assert camp.min_gain is None and min_gain(camp, [])[0] == DEFAULT_MIN_GAIN  # no repeat of the base measured
+    noisy = [{"trial": "base", "outcome": "ok", "objective": 100.0, "noise": {"band": 0.05, "how": "two runs"}},
+             {"trial": "f", "outcome": "ok", "objective": 96.0}, {"trial": "g", "outcome": "ok", "objective": 90.0}]
+    assert min_gain(camp, noisy) == (0.05, "two runs")
+    winner, verdicts = standings(camp, noisy, 0.05)
+    assert winner["trial"] == "g" and verdicts["f"].startswith("tie: +4.0% vs base")
+    path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16, min_gain: 150%}\n")
+    from servops.campaign import CampaignError
+    with pytest.raises(CampaignError, match="objective.min_gain: expected a share like 2%"):
+        load_campaign(str(path))

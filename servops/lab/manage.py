@@ -19,11 +19,41 @@ import time
 from pathlib import Path
 
 from ..inventory import Host
-from ..remote.procs import proc_starttime
+from ..errors import ServopsError
+from ..remote.procs import proc_starttime, release_processes
 from . import venvs
 from .sshd import SshServer, keygen
 
 LAB = Path(os.environ.get("SERVOPS_LAB_HOME") or Path.home() / ".servops-lab")
+OWNER = LAB / "checkout.json"  # which checkout's lab is up (its hosts' addresses and ports are fixed)
+CHECKOUT = str(Path(__file__).resolve().parents[2])
+# The lab venv's sglang: a real release whose real parser runs on the lab's CPU torch, so the
+# lab's first `invoke check` refuses a typo'd flag as a GPU host's sglang would.
+LAB_SGLANG = "0.5.21"
+
+
+class LabError(ServopsError):
+    pass
+
+
+def _other_checkout() -> str | None:
+    """The checkout whose lab is up here, when it is another one (two checkouts under one
+    account would otherwise stop each other's servers and sshd)."""
+    try:
+        owner = json.loads(OWNER.read_text()).get("checkout")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not owner or owner == CHECKOUT or not Path(owner).is_dir():
+        return None
+    running = [r for r in LAB.glob("sshd-*/lab.json") if _running(r)]
+    return owner if running else None
+
+
+def refuse_other_checkout(verb: str) -> None:
+    other = _other_checkout()
+    if other:
+        raise LabError(f"the lab under {LAB} is up from another checkout, {other}: run `invoke lab.down` there "
+                       f"first (its hosts use the same addresses and ports), then {verb} here")
 CUDA_STANDIN = Path("/tmp/servops-lab-cuda")
 CUDA_VERSION_JSON = '{"cuda": {"name": "CUDA SDK", "version": "12.9.1"}}'
 
@@ -45,13 +75,18 @@ def _running(record: Path) -> dict | None:
 
 def up(hosts: list[Host]) -> list[str]:
     """Start sshd for each lab host that is not already up; returns the addresses started."""
+    refuse_other_checkout("lab.up")
     LAB.mkdir(mode=0o700, exist_ok=True)
+    OWNER.write_text(json.dumps({"checkout": CHECKOUT}))
     key = LAB / "id_ed25519"
     if not key.exists():
         keygen(key)
     venv = LAB / "venv"
+    wanted = venvs.build_sglang_venv(LAB_SGLANG)
+    if venv.is_symlink() and Path(os.readlink(venv)) != wanted:
+        venv.unlink()  # an older lab's venv (without sglang): the lab's is the release venv
     if not venv.exists():
-        venv.symlink_to(venvs.build_venv())
+        venv.symlink_to(wanted)
     CUDA_STANDIN.mkdir(exist_ok=True)
     (CUDA_STANDIN / "version.json").write_text(CUDA_VERSION_JSON)
     known, started = {}, []
@@ -107,6 +142,7 @@ def down(hosts: list[Host]) -> tuple[list[str], list[str]]:
 
     Returns (servers stopped, sshd stopped). Safe to run any number of times.
     """
+    refuse_other_checkout("lab.down")
     servers, sshds = [], []
     for host in hosts:
         root = Path(os.path.expanduser(str(host.get("deploy_root") or "~/.servops/deploy")))
@@ -117,6 +153,10 @@ def down(hosts: list[Host]) -> tuple[list[str], list[str]]:
             info = None
         if info and _stop_pid(int(info["pid"]), info.get("starttime"), group=True):
             servers.append(f"{host.name} pid {info['pid']}")
+        # and every other process of its releases (children deaf to SIGTERM, escapees)
+        leader = [(int(info["pid"]), str(info.get("release")))] if isinstance(info, dict) and "pid" in info else []
+        for pid, facts in release_processes(str(root / "releases"), leader).items() if (root / "releases").is_dir() else ():
+            _stop_pid(pid, facts["starttime"], grace=2.0)
         if info:
             pidfile.unlink(missing_ok=True)
         record = _record_path(host.ssh_host, host.ssh_port)
@@ -124,4 +164,6 @@ def down(hosts: list[Host]) -> tuple[list[str], list[str]]:
         if running and _stop_pid(int(running["pid"]), running["starttime"]):
             sshds.append(f"{host.ssh_host}:{host.ssh_port}")
         record.unlink(missing_ok=True)
+    if not any(_running(r) for r in LAB.glob("sshd-*/lab.json")):
+        OWNER.unlink(missing_ok=True)
     return servers, sshds

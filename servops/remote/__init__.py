@@ -17,7 +17,7 @@ from typing import Mapping
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
 _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"], "launch_check": ["procs", "sglang_args"],
-             "patch_op": ["patch_core"], "deploy_ctl": ["procs", "patch_core"]}
+             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"]}
 
 _LAUNCHER = """\
 import os, subprocess, sys
@@ -29,7 +29,7 @@ sys.exit(subprocess.run([sys.executable, "-"], input=_SERVOPS_PROGRAM.encode()).
 @cache
 def program(name: str) -> str:
     parts = ["_common"] + _INCLUDES.get(name, []) + [name]
-    return "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text() for p in parts)
+    return "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text(encoding="utf-8") for p in parts)
 
 
 def with_args(name: str, args, env: Mapping[str, str] | None = None) -> str:

@@ -1,7 +1,6 @@
 # Shared helpers for servops' remote programs. Standard library only: this runs on the
 # host's python (any 3.8+), before and without importing the packages being inspected.
-import base64
-import hashlib
+# Modules only some programs need are imported where used: each program starts afresh.
 import json
 import os
 import re
@@ -18,18 +17,26 @@ def reply(obj):
     sys.stdout.flush()
 
 
+LAST_FAILURE = []  # the message of the last fail(), for a program that carries on (the host guard)
+
+
 def fail(message):
+    LAST_FAILURE[:] = [message]
     reply({"error": message})
     sys.exit(3)
 
 
+_SITE_DIRS = []
+
+
 def site_dirs():
-    dirs = []
-    for key in ("purelib", "platlib"):
-        d = os.path.realpath(sysconfig.get_paths()[key])
-        if d not in dirs and os.path.isdir(d):
-            dirs.append(d)
-    return dirs
+    if not _SITE_DIRS:  # computed once: sysconfig expands every install path each call
+        paths = sysconfig.get_paths()
+        for key in ("purelib", "platlib"):
+            d = os.path.realpath(paths[key])
+            if d not in _SITE_DIRS and os.path.isdir(d):
+                _SITE_DIRS.append(d)
+    return list(_SITE_DIRS)
 
 
 def inside(path, root):
@@ -119,33 +126,54 @@ def owner_of(rel_in_site, site):
             return set()
 
     ordered = sorted(infos, key=lambda di: top not in top_levels(di))
-    # A plain prefix scan: csv-parsing every RECORD would dominate inspect's remote time.
     # Paths with commas are csv-quoted in RECORD, so they are looked up both ways.
-    prefixes = (rel_in_site + ",", '"%s",' % rel_in_site.replace('"', '""'))
+    prefixes = [p.encode("utf-8", "surrogateescape") for p in (rel_in_site + ",", '"%s",' % rel_in_site.replace('"', '""'))]
     for di in ordered:
-        try:
-            with open(os.path.join(di, "RECORD"), encoding="utf-8") as fh:
-                for line in fh:
-                    if line.startswith(prefixes):
-                        meta = dist_meta(di)
-                        fields = line[len(next(p for p in prefixes if line.startswith(p))):].split(",")
-                        meta["record_hash"] = fields[0].strip()
-                        return meta
-        except OSError:
-            continue
+        rest = record_line(di, prefixes)
+        if rest is not None:
+            meta = dist_meta(di)
+            meta["record_hash"] = rest.split(",")[0].strip()
+            return meta
     return None
 
 
+def record_line(dist_info, prefixes):
+    """The rest of RECORD's first line that starts with one of `prefixes` (bytes), or None.
+    A search of the mapped file: csv-parsing every RECORD, or reading it line by line (13,000
+    lines for flashinfer), would dominate inspect's remote time."""
+    import mmap
+
+    try:
+        with open(os.path.join(dist_info, "RECORD"), "rb") as fh, \
+                mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as record:
+            hits = [(0, p) for p in prefixes if record[:len(p)] == p]
+            hits += [(at + 1, p) for p in prefixes for at in (record.find(b"\n" + p),) if at >= 0]
+            if not hits:
+                return None
+            start, prefix = min(hits)
+            end = record.find(b"\n", start)
+            return record[start + len(prefix):end if end >= 0 else len(record)].decode("utf-8", "replace")
+    except (OSError, ValueError):  # unreadable, or empty (a 0-byte file cannot be mapped)
+        return None
+
+
 def file_hash(path):
+    """As RECORD writes it: sha256=<urlsafe base64, unpadded> (binascii: no base64 module to load)."""
+    import binascii
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
-    return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+    b64 = binascii.b2a_base64(h.digest(), newline=False).rstrip(b"=").translate(bytes.maketrans(b"+/", b"-_"))
+    return "sha256=" + b64.decode()
 
 
 def sha_bytes(data):
     """Content hash as patch state records it (None for an absent file)."""
+    import hashlib
+
     return None if data is None else "sha256=" + hashlib.sha256(data).hexdigest()
 
 
@@ -161,6 +189,8 @@ def patch_state_root():
     """Where this python's patch state lives, keyed to the environment's REAL path, not to any
     inventory setting: inside the venv itself (shared by every inventory entry and operator that
     uses it), or for a python outside a venv, under ~/.servops/venvs/<hash of its site-packages>."""
+    import hashlib
+
     if sys.prefix != getattr(sys, "base_prefix", sys.prefix):
         return os.path.join(os.path.realpath(sys.prefix), ".servops")
     site = site_dirs()[0]
@@ -178,6 +208,27 @@ def load_patch_state(root=None):
     return {"version": 2, "applied": {}}
 
 
+def dependents_path():
+    return os.path.join(patch_state_root(), "dependents.json")
+
+
+def read_dependents():
+    """Deploy roots that made releases on this python (their patch set lives here)."""
+    try:
+        with open(dependents_path()) as fh:
+            data = json.load(fh)
+        return [r for r in data if isinstance(r, str)] if isinstance(data, dict) else []
+    except (OSError, ValueError):
+        return []
+
+
+def register_dependent(root):
+    roots = read_dependents()
+    if root not in roots:
+        os.makedirs(patch_state_root(), mode=0o700, exist_ok=True)
+        replace_with(dependents_path(), json.dumps({r: True for r in roots + [root]}))
+
+
 def patched_files(site=None):
     """rel path -> (servops patch name, hash the patch left the file with), per the patch state."""
     out = {}
@@ -188,18 +239,14 @@ def patched_files(site=None):
 
 
 def append_journal(path, entry):
-    """Append one JSON line to a host journal (0600). O_APPEND writes of one line do not interleave."""
+    """Append one chained JSON line to a host journal (0600; servops.remote.jsonl): programs that
+    write the journal include that library."""
     import time as _time
     entry = dict(entry)
     entry.setdefault("at", _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()))
     path = os.path.expanduser(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return append_entry(path, entry)
 
 
 def replace_with(path, data, mode=0o600, tmp=None):

@@ -1,3 +1,4 @@
+import select
 import signal
 import shutil
 import stat
@@ -17,6 +18,10 @@ PIDFILE = os.path.join(ROOT, "server.pid")
 LOCKFILE = os.path.join(ROOT, "deploy.lock")
 JOURNAL = os.path.join(ROOT, "journal.jsonl")
 NAME_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z-[A-Za-z0-9][A-Za-z0-9._-]*")
+PINS = os.path.join(ROOT, "pins.json")
+# A release whose server a controller is bringing up (a new release, or a restart of one): its
+# guard watches it, and a command that finds it so with no guard alive starts one.
+IN_FLIGHT = ("deploying", "restarting")
 
 
 def now_iso():
@@ -44,10 +49,11 @@ def check_root():
 
 def own_file(path, flags):
     """Open a file servops owns inside a release (server.log, lease, markers), never through a
-    symlink: one planted there is removed and the file made anew."""
+    symlink (one planted there is removed and the file made anew), never blocking on a FIFO or
+    opening anything but a regular file (one line naming it)."""
     if os.path.islink(path):
         os.unlink(path)
-    return open_private(path, flags)
+    return open_regular(path, flags)
 
 
 def current_name():
@@ -57,12 +63,9 @@ def current_name():
         return None
 
 
-def server_proc():
-    return our_server(ROOT)
-
-
 def release_info(name):
-    meta = read_json(os.path.join(RELEASES, name, "release.json"), {}) or {}
+    meta = read_json(os.path.join(RELEASES, name, "release.json"), {})
+    meta = meta if isinstance(meta, dict) else {}
     meta["name"] = name
     return meta
 
@@ -78,6 +81,22 @@ def list_releases():
 
 def journal(entry):
     append_journal(JOURNAL, entry)
+
+
+def guard_lock(name):
+    """One guard per release: its spawn, and the check for a dead one, under this flock."""
+    import contextlib
+    import fcntl
+
+    @contextlib.contextmanager
+    def held():
+        fd = open_private(os.path.join(release_dir(name), "guard.lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+    return held()
 
 
 def release_secrets(name):
@@ -150,7 +169,14 @@ def op_lock():
     replace = ARGS.get("replace")
     for _ in range(2):
         if take_lock(owner):
-            orphans = mark_orphans(owner)
+            busy = [u for u in UNFINISHED if u["guard"] in ("watching", "restarted")]
+            if busy and not ARGS.get("supersede"):
+                # a guard is finishing a deploy whose controller was lost: wait for it
+                os.unlink(LOCKFILE)
+                return {"acquired": False, "root": ROOT, "age": 0, "held": {
+                    "id": "guard", "who": "the host's guard", "action": "finishing the deploy of %s" % busy[0]["release"],
+                    "acquired_at": now_iso(), "guard": True, "detail": busy[0]["detail"]}}
+            orphans = supersede_unfinished(owner)
             out = {"acquired": True, "root": ROOT, "listing": op_releases(), "orphans": orphans}
             if ARGS.get("port"):
                 out["port"] = op_port_check()
@@ -171,17 +197,16 @@ def op_lock():
     fail("could not take the deploy lock %s" % LOCKFILE)
 
 
-def mark_orphans(owner):
-    """Releases still 'deploying' when we hold the lock belong to a deploy that died (its lock was
-    stale or broken): they are 'interrupted' now, and a guard still watching one stands down."""
+def supersede_unfinished(owner):
+    """Releases still 'deploying' when an operation that replaces or stops the server holds the
+    lock belong to a deploy that died (its lock was stale or broken): that operation decides now
+    (its `decision` token: a guard watching one stands down) and they are 'interrupted'."""
     names = []
     for rel in list_releases():
-        if rel.get("status") == "deploying":
-            path = os.path.join(RELEASES, rel["name"], "release.json")
-            meta = read_json(path, {}) or {}
-            meta.update(status="interrupted", failure="the deploy that made it did not finish (superseded by %s)"
-                        % owner.get("action"))
-            replace_with(path, json.dumps(meta, indent=1, sort_keys=True))
+        if rel.get("status") in IN_FLIGHT:
+            claim(rel["name"], {"by": "op", "id": owner.get("id"), "action": owner.get("action")}, take_over=True)
+            write_fields(rel["name"], {"status": "interrupted", "failure": "the deploy that made it did not finish "
+                                       "(superseded by %s)" % owner.get("action")})
             journal({"action": "release.interrupted", "release": rel["name"], "who": owner.get("who"),
                      "detail": "its deploy did not finish"})
             names.append(rel["name"])
@@ -198,7 +223,11 @@ def op_unlock():
 # ---- releases and the server ----------------------------------------------------------------
 
 def op_releases():
-    return {"root": ROOT, "current": current_name(), "releases": list_releases(), "server": server_proc()}
+    server = server_proc(adopt=True)
+    leftovers = [] if server else [{"pid": p, "name": f.get("name"), "release": f.get("release")}
+                                   for p, f in sorted(release_tree().items())]
+    return {"root": ROOT, "current": current_name(), "releases": list_releases(), "server": server,
+            "leftovers": leftovers, "unfinished": UNFINISHED, "protected": protected()}
 
 
 def op_prepare():
@@ -224,9 +253,11 @@ def op_prepare():
         raise
     if ARGS.get("journal"):
         journal(dict(ARGS["journal"], release=name))
+    register_dependent(ROOT)  # a patch change on this venv now asks this root's lock
     out = {"name": name, "dir": d}
     if ARGS.get("guard"):
-        out["guard"] = spawn_guard(name, ARGS["guard"])
+        with guard_lock(name):
+            out["guard"] = spawn_guard(name, ARGS["guard"])
     return out
 
 
@@ -264,81 +295,158 @@ def switch_to(name):
     return {"current": name}
 
 
-def listener_inodes(port):
-    """Socket inodes listening on this TCP port (IPv4 and IPv6), from /proc/net."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh)
-                for line in fh:
-                    f = line.split()
-                    if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f[9])
-        except (OSError, StopIteration, ValueError):
-            continue
-    return inodes
+def recorded_leader():
+    """(pid, release) that server.pid names, whether or not that process still runs: the tree
+    of a dead leader can still be running (a child serving the port)."""
+    info = read_json(PIDFILE)
+    try:
+        return [(int(info["pid"]), str(info["release"]))]
+    except (TypeError, ValueError, KeyError):
+        return []
 
 
-def group_holds_port(pgid, port):
-    """Is this port's listener a process of our server's process group? None: cannot tell."""
-    inodes = listener_inodes(port)
-    if not inodes:
+def server_proc(adopt=False):
+    """The server servops started here, verified in /proc (see procs.our_server). `adopt`: when
+    server.pid is missing or stale but a release's server leader runs (a start whose pidfile was
+    never published, by an older servops killed mid-start), record it again: every server
+    started is known."""
+    proc = our_server(ROOT)
+    if proc or not adopt or not os.path.isdir(RELEASES):
+        return proc
+    for pid, facts in sorted(release_processes(RELEASES).items()):
+        d = os.path.join(RELEASES, facts["release"])
+        if (facts["sid"] == pid and facts["pgid"] == pid and NAME_RE.fullmatch(facts["release"])
+                and os.path.realpath("/proc/%d/cwd" % pid) == os.path.realpath(d)):
+            meta = release_info(facts["release"])
+            info = {"pid": pid, "pgid": pid, "starttime": facts["starttime"], "release": facts["release"],
+                    "port": meta.get("port"), "started_at": now_iso(), "started_epoch": time.time(),
+                    "log": os.path.join(d, "server.log"), "adopted": True}
+            replace_with(PIDFILE, json.dumps(info))
+            journal({"action": "server.adopted", "release": facts["release"], "pid": pid,
+                     "detail": "a running server of this release had no valid server.pid; recorded it again"})
+            return our_server(ROOT)
+    return None
+
+
+def release_tree(leaders=None):
+    """Every process of every release under this deploy root (a deploy root runs one server)."""
+    if not os.path.isdir(RELEASES):
+        return {}
+    return release_processes(RELEASES, recorded_leader() if leaders is None else leaders)
+
+
+def tree_holds_port(port):
+    """Is this port's listener a process of our release tree? None: nothing listens."""
+    if not listener_inodes(port):
         return None
-    wanted = {"socket:[%s]" % i for i in inodes}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % pid) as fh:
-                if int(fh.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-            for fd in os.listdir("/proc/%s/fd" % pid):
-                if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in wanted:
-                    return True
-        except (OSError, ValueError, IndexError):
-            continue
-    return False
+    return bool(port_holders(port, list(release_tree())))
 
 
 def op_port_check():
-    proc = server_proc()
-    busy = port_in_use(int(ARGS["port"]))
-    return {"busy": busy, "ours": bool(proc), "server": proc}
+    proc = server_proc(adopt=True)
+    port = int(ARGS["port"])
+    busy = port_in_use(port)
+    ours = bool(proc)
+    if busy and not ours:  # a leftover of one of our releases (its leader gone) is ours to stop
+        tree = release_tree()
+        ours = bool(port_holders(port, list(tree)))
+    return {"busy": busy, "ours": ours, "server": proc}
 
 
-def stop_server(grace):
-    proc = server_proc()
-    if not proc:
-        if os.path.exists(PIDFILE):
-            os.unlink(PIDFILE)
-        return {"stopped": False, "reason": "no server running"}
-    pgid = proc["pgid"]
+def _signal(facts, sig):
+    """Signal a process found in /proc, if it is still that very process (pid reuse)."""
+    if proc_starttime(facts["pid"]) != facts["starttime"]:
+        return False
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.time() + grace
-    killed = False
-    while time.time() < deadline and server_proc():
-        time.sleep(0.1)
-    if server_proc():
+        os.kill(facts["pid"], sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _shown(facts, how):
+    out = {"pid": facts["pid"], "name": facts.get("name"), "release": facts.get("release"), "why": facts.get("why"),
+           "signal": how}
+    if facts.get("escaped"):
+        out["escaped"] = True
+    return out
+
+
+def stop_server(grace, poll=0.25):
+    """End every process of the release: SIGTERM to the server's group and to each process of its
+    tree (found again on every look: children started during shutdown, setsid() escapees), the
+    grace period, SIGKILL for what is left; then check that nothing remains and the port is free.
+    Returns what it did, process by process."""
+    proc = server_proc(adopt=True)
+    leaders = [(proc["pid"], proc["release"])] if proc else recorded_leader()
+    recorded = read_json(PIDFILE)
+    port = (proc or (recorded if isinstance(recorded, dict) else {})).get("port")
+    tree = release_tree(leaders)
+    if not tree:
+        if os.path.lexists(PIDFILE):
+            os.unlink(PIDFILE)
+        return {"stopped": False, "reason": "no server running", "processes": [], "gpu": gpu_report({})}
+    seen = {}
+    if proc:
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(proc["pgid"], signal.SIGTERM)  # the server's own shutdown path first
         except ProcessLookupError:
             pass
-        killed = True
-        for _ in range(50):
-            if not server_proc():
-                break
-            time.sleep(0.1)
-    port = proc.get("port")
-    for _ in range(100):  # the listening socket can outlive the process group by a moment
-        if not port or not port_in_use(int(port)):
+    deadline = time.monotonic() + grace
+    while tree:
+        for pid, facts in tree.items():
+            if pid not in seen:
+                seen[pid] = facts
+                _signal(facts, signal.SIGTERM)
+        if time.monotonic() >= deadline:
             break
-        time.sleep(0.1)
-    os.unlink(PIDFILE)
-    return {"stopped": True, "pid": proc["pid"], "killed": killed, "release": proc.get("release")}
+        time.sleep(poll)
+        tree = release_tree(leaders)
+    killed = {}
+    for _ in range(40):  # SIGKILL whatever is left, until nothing of the release remains
+        if not tree:
+            break
+        for pid, facts in tree.items():
+            seen.setdefault(pid, facts)
+            if _signal(facts, signal.SIGKILL):
+                killed[pid] = True
+        time.sleep(poll)
+        tree = release_tree(leaders)
+    survivors = [_shown(dict(f, state=(proc_state(p) or "?")), "survived SIGKILL") for p, f in tree.items()]
+    port_free = True
+    if port:
+        for _ in range(int(10 / poll)):  # the listening socket can outlive its process by a moment
+            port_free = not port_in_use(int(port))
+            if port_free:
+                break
+            time.sleep(poll)
+    if not survivors and os.path.lexists(PIDFILE):
+        os.unlink(PIDFILE)
+    shown = [_shown(f, "SIGKILL" if pid in killed else "SIGTERM") for pid, f in sorted(seen.items())]
+    out = {"stopped": True, "pid": proc["pid"] if proc else None, "release": (proc or {}).get("release") or
+           next((f["release"] for f in seen.values()), None), "killed": bool(killed), "processes": shown,
+           "survivors": survivors, "port": port, "port_free": port_free, "gpu": gpu_report(seen)}
+    if not port_free:
+        out["port_holders"] = sorted(port_holders(int(port)))
+    return out
+
+
+def proc_state(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def gpu_report(ours):
+    """On a GPU host: compute apps still holding GPU memory after the stop (a leftover of ours
+    would starve the next server; another's is named so the operator knows)."""
+    apps = gpu_apps()
+    if apps is None:
+        return None
+    return {"ours": [a for a in apps if a["pid"] in ours and proc_starttime(a["pid"])],
+            "others": [a for a in apps if a["pid"] not in ours]}
 
 
 def op_stop():
@@ -347,31 +455,99 @@ def op_stop():
         touch_private(os.path.join(release_dir(ARGS["restart_of"]), "restarting"))
     res = stop_server(float(ARGS.get("grace", 30)))
     if res["stopped"] and ARGS.get("journal"):
-        journal(dict(ARGS["journal"], release=res.get("release"), pid=res["pid"],
-                     outcome="SIGKILL after grace" if res["killed"] else "SIGTERM"))
+        journal(dict(ARGS["journal"], release=res.get("release"), pid=res.get("pid"),
+                     outcome="SIGKILL after grace" if res["killed"] else "SIGTERM",
+                     processes=len(res["processes"]), survivors=len(res["survivors"])))
+    if res.get("survivors") and ARGS.get("strict", True):
+        names = ", ".join("%d (%s, state %s)" % (p["pid"], p["name"], p.get("state", "?")) for p in res["survivors"])
+        fail("stop: process(es) of release %s survive SIGKILL: %s; the next server cannot start until they are "
+             "gone (a process stuck in the kernel, e.g. a hung GPU driver call)" % (res.get("release"), names))
     return res
 
 
 def start_server(name, port):
-    if server_proc():
+    """Start a release's launch script in a new session, its pid recorded BEFORE it can serve:
+    the child waits on a pipe until server.pid names it, so a controller or host program killed
+    at any moment leaves either no server or a recorded one."""
+    if server_proc(adopt=True):
         fail("a server is still running (pid %d); stop it first" % server_proc()["pid"])
+    left = release_tree()
+    if left:
+        fail("processes of an earlier server still run (%s); run invoke stop first"
+             % ", ".join("%d %s" % (p, f.get("name")) for p, f in sorted(left.items())[:5]))
+    verify_patches(name)
     d = release_dir(name)
     log_path = os.path.join(d, "server.log")
-    log = os.fdopen(own_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
-    # A new session: the server outlives this SSH channel and is signalled as one group.
-    proc = subprocess.Popen(["bash", os.path.join(d, "launch.sh")], cwd=d, stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    log.close()
-    info = {"pid": proc.pid, "pgid": proc.pid, "starttime": proc_starttime(proc.pid), "release": name,
+    log_fd = own_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    env = dict(os.environ, **{RELEASE_ENV: d})
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server-to-be: its own session, output to the log, exec only on "go"
+        try:
+            os.close(go_w)
+            os.setsid()
+            os.chdir(d)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.closerange(3, go_r)
+            os.closerange(go_r + 1, 1 << 16)
+            if os.read(go_r, 1) != b"1":
+                os._exit(0)  # the parent died before recording us: never serve untracked
+            os.close(go_r)
+            os.execvpe("bash", ["bash", os.path.join(d, "launch.sh")], env)
+        finally:
+            os._exit(127)
+    os.close(go_r)
+    os.close(log_fd)
+    info = {"pid": pid, "pgid": pid, "starttime": proc_starttime(pid), "release": name,
             "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
-    replace_with(PIDFILE, json.dumps(info))
+    try:
+        fault("start:forked")
+        replace_with(PIDFILE, json.dumps(info))
+        fault("start:recorded")
+        os.write(go_w, b"1")
+    finally:
+        os.close(go_w)
     return info
+
+
+def verify_patches(name):
+    """The release's patch set is what the venv holds (files as the patches left them), before
+    its server starts: a patch reverted under a live release would crash its next restart."""
+    meta = release_info(name)
+    wanted = meta.get("patches") or []
+    if not isinstance(wanted, list):
+        fail("release %s: its release.json names no patch list" % name)
+    state = load_patch_state()
+    applied = state["applied"]
+    missing = [p for p in wanted if p not in applied]
+    changed = []
+    for p in wanted:
+        rec = applied.get(p)
+        if rec:
+            site = (find_dist(rec.get("dist") or "") or {}).get("site")
+            if site and any(sha256_hex(os.path.join(site, rel)) != h.get("after")
+                            for rel, h in (rec.get("files") or {}).items()):
+                changed.append(p)
+    if missing or changed:
+        what = "; ".join(x for x in (
+            ("not applied: " + ", ".join(missing)) if missing else "",
+            ("files changed since applied: " + ", ".join(changed)) if changed else "") if x)
+        fail("release %s needs patches %s in %s, but %s; `invoke patch.status` shows the venv, a deploy or "
+             "rollback restores the set" % (name, ", ".join(wanted) or "none", sys.prefix, what))
+    return True
+
+
+def op_verify_patches():
+    return {"ok": verify_patches(ARGS["name"])}
 
 
 def op_start():
     info = start_server(ARGS["name"], ARGS.get("port"))
     marker = os.path.join(release_dir(ARGS["name"]), "restarting")
-    if os.path.exists(marker):
+    if os.path.lexists(marker):
         os.unlink(marker)
     return {"server": info}
 
@@ -488,18 +664,55 @@ class LogWatch:
             self.lines.append(self.partial)
             self.partial = ""
 
+    # A failure line a server logs above its traceback ("Piecewise CUDA Graph failed with error:
+    # ..."), and a line that starts the server's next log record (the end of a traceback).
+    LEAD = re.compile(r"(?i)\bfailed\b.*:|\berror: ")
+    RECORD = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
+    SCAN = 2000
+
     def excerpt(self, hit=None, before=12, after=30, limit=80):
-        """Bounded: the signature line with context, from its Traceback header when one opens
-        shortly before it; without a hit, the tail."""
+        """Bounded (`limit` lines): the failure around a signature's line `hit`: from its Traceback
+        header (and a failure line just above it) to the end of that traceback -- the last frames,
+        the exception line and what follows it -- with the middle cut when it is longer. Without a
+        traceback around the hit: the hit with context. Without a hit: the last traceback, else the tail."""
         lines = self.lines
+        headers = [i for i, l in enumerate(lines) if "Traceback (most recent call last)" in l]
         if hit is None:
-            return lines[-25:]
-        lo = max(0, hit - before)
-        for i in range(hit, max(-1, hit - 60), -1):
-            if "Traceback (most recent call last)" in lines[i]:
-                lo = i
-                break
-        return lines[lo:min(len(lines), hit + after + 1, lo + limit)]
+            if not headers:
+                return lines[-25:]
+            hit = headers[-1]
+        above = [i for i in headers if hit - self.SCAN < i <= hit]
+        if above and self._end(above[-1]) > hit:  # the hit is in the traceback that opens above it
+            header = above[-1]
+        else:  # or it is a failure line the server logs just before its traceback
+            header = next((i for i in headers if hit < i <= hit + after), None)
+        if header is None:
+            return lines[max(0, hit - before):min(len(lines), hit + after + 1)][:limit]
+        start = min(hit, header)
+        if start == header:  # the failure line a server logs above its traceback, and the hints between
+            start = next((i for i in range(header - 1, max(-1, header - 8), -1) if self.LEAD.search(lines[i])), header)
+        end = max(self._end(header), hit + 1)
+        while end > hit + 1 and not lines[end - 1].strip():
+            end -= 1
+        if end - start <= limit:
+            return lines[start:end]
+        # the opening (failure line, header, first frame), the hit and the exception after it, the end
+        keep = set(range(start, min(header + 3, end))) | set(range(max(start, hit - 1), min(hit + 6, end)))
+        keep |= set(range(max(start, end - max(limit - len(keep) - 2, 1)), end))
+        out, last = [], start - 1
+        for i in sorted(keep):
+            if i > last + 1:
+                out.append("    ... (%d lines) ..." % (i - last - 1))
+            out.append(lines[i])
+            last = i
+        return out
+
+    def _end(self, header):
+        """The line after the traceback that opens at `header`: the server's next log record."""
+        end = header + 1
+        while end < min(len(self.lines), header + self.SCAN) and not self.RECORD.match(self.lines[end]):
+            end += 1
+        return end
 
     def last_line(self):
         for line in reversed(self.lines + ([self.partial] if self.partial else [])):
@@ -513,7 +726,7 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
     out of time. Returns the outcome dict."""
     log = LogWatch(os.path.join(release_dir(name), "server.log"), signatures)
     mask = masker(name)
-    started = time.time()
+    started = time.monotonic()
     endpoint = health.get("endpoint", "/health")
     # The model-info check prefers today's /model_info and falls back to the deprecated
     # /get_model_info of older releases; `model_info: null` turns it off.
@@ -523,7 +736,7 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
     last_progress = 0
 
     def result(state, reason, ex=None):
-        out = {"state": state, "reason": reason, "elapsed": round(time.time() - started, 2),
+        out = {"state": state, "reason": reason, "elapsed": round(time.monotonic() - started, 2),
                "excerpt": [mask(l) for l in (ex or [])], "log": log.path}
         if log.dropped:
             out["slow_signatures"] = log.dropped
@@ -534,8 +747,8 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
         if hit:
             log.settle()
             line = mask(log.lines[hit[1]].strip())
-            return result("crashed", "crash signature %s matched in server.log: %s"
-                          % (hit[0], line if len(line) <= 200 else line[:197] + "..."), log.excerpt(hit[1]))
+            return result("crashed", "server.log: %s" % (line if len(line) <= 200 else line[:197] + "..."),
+                          log.excerpt(hit[1]))
         if (server_proc() or {}).get("release") != name:
             log.settle()
             tb = any("Traceback (most recent call last)" in l for l in log.lines)
@@ -546,18 +759,18 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
             if used is not None:
                 # A 200 counts only from this release's own process group: a stray server on
                 # the port would otherwise pass for the new release.
-                if group_holds_port((server_proc() or {}).get("pgid", -1), port) is False:
+                if tree_holds_port(port) is False:
                     log.settle()
                     return result("crashed", "port %d answered, but another process holds it, not this release's "
                                              "server" % port, log.lines[-25:])
                 return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
-        elapsed = time.time() - started
+        elapsed = time.monotonic() - started
         if elapsed > deadline_s:
             return result("timeout", "not healthy after %ds" % deadline_s, log.lines[-25:])
         if stop_when and stop_when():
             return result("abandoned", "stood down")
-        if progress and time.time() - last_progress >= interval:
-            last_progress = time.time()
+        if progress and time.monotonic() - last_progress >= interval:
+            last_progress = time.monotonic()
             progress({"progress": round(elapsed, 1), "log": mask(log.last_line())[-400:]})
         time.sleep(min(interval, 0.5))
 
@@ -572,9 +785,9 @@ def op_health():
 
 def op_status():
     cur = current_name()
-    proc = server_proc()
+    proc = server_proc(adopt=True)
     out = {"root": ROOT, "current": cur, "release": release_info(cur) if cur else None, "server": proc,
-           "healthy": None, "now": time.time(), "server_info": None}
+           "healthy": None, "now": time.time(), "server_info": None, "unfinished": UNFINISHED}
     if proc and proc.get("port"):
         port = int(proc["port"])
         out["healthy"] = http_ok(port, ARGS.get("endpoint", "/health"))
@@ -641,7 +854,11 @@ def op_follow():
     pos = os.path.getsize(path) if os.path.exists(path) else 0
     partial = ""
     parent = os.getppid()
-    while os.getppid() == parent:  # the SSH session ended (Ctrl-C): nobody reads us any more
+    reader = select.poll()
+    reader.register(sys.stdout.fileno(), 0)  # reports only POLLERR/POLLHUP: our stdout's reader is gone
+    # The SSH session ended, or just our channel closed (Ctrl-C; a connection agent's client
+    # went): nobody reads us any more.
+    while os.getppid() == parent and not reader.poll(0):
 
         try:
             with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
@@ -663,9 +880,51 @@ def op_follow():
     return {}
 
 
+def read_pins():
+    """release name -> the reasons it is pinned (by hand, or by a campaign)."""
+    pins = read_json(PINS, {})
+    if not isinstance(pins, dict):
+        return {}
+    return {k: [str(r) for r in v] for k, v in pins.items() if NAME_RE.fullmatch(str(k)) and isinstance(v, list)}
+
+
+def op_pin():
+    """Pin (or with `unpin`, unpin) a release: a pinned release is never pruned. `why` names the
+    reason; unpinning with a reason drops only that reason, without one every reason."""
+    name = ARGS["name"]
+    pins = read_pins()
+    reasons = pins.get(name, [])
+    why = ARGS.get("why")
+    if ARGS.get("unpin"):
+        reasons = [r for r in reasons if why and r != why]
+    else:
+        if not os.path.isdir(release_dir(name)):
+            fail("no release %s under %s (see invoke releases)" % (name, RELEASES))
+        if (why or "pinned by hand") not in reasons:
+            reasons.append(why or "pinned by hand")
+    if reasons:
+        pins[name] = reasons
+    else:
+        pins.pop(name, None)
+    replace_with(PINS, json.dumps(pins, indent=1, sort_keys=True))
+    return {"pins": pins}
+
+
+def protected():
+    """Releases prune never removes: the current one, the previous healthy one (what a rollback
+    goes to), and every pinned one."""
+    rels = list_releases()
+    cur = current_name()
+    names = [r["name"] for r in rels]
+    upto = names.index(cur) if cur in names else len(names)
+    previous = next((r["name"] for r in reversed(rels[:upto]) if r.get("status") == "healthy"), None)
+    return {n: why for n, why in [(cur, ["current"]), (previous, ["previous healthy"])] if n} | {
+        n: why for n, why in read_pins().items()}
+
+
 def op_prune():
     keep = int(ARGS["keep"])
-    protect = {current_name(), ARGS.get("protect")}
+    protect = set(protected()) | {ARGS.get("protect")}
     names = [r["name"] for r in list_releases()]
     removed = []
     for name in names[:-keep] if keep > 0 else []:
@@ -676,50 +935,159 @@ def op_prune():
     return {"removed": removed}
 
 
+def op_identity():
+    """sha256 of a release's launch files (launch.sh, secrets.env, the server files) and whether
+    its server runs and answers: what `deploy` compares to skip a pointless restart."""
+    name = ARGS.get("name") or current_name()
+    if not name or not os.path.isdir(os.path.join(RELEASES, name)):
+        return {"name": None}
+    d = release_dir(name)
+    hashes = {}
+    for rel in ARGS.get("files") or []:
+        if "/" in rel or rel.startswith("."):
+            fail("release file name %r" % rel)
+        hashes[rel] = sha256_hex(os.path.join(d, rel)) if os.path.isfile(os.path.join(d, rel)) else None
+    meta = release_info(name)
+    proc = server_proc(adopt=True)
+    running = bool(proc and proc.get("release") == name)
+    health = meta.get("health") if isinstance(meta.get("health"), dict) else {}
+    healthy = running and http_ok(int(proc.get("port") or meta.get("port") or 0), health.get("endpoint", "/health"))
+    return {"name": name, "files": hashes, "status": meta.get("status"), "patches": meta.get("patches"),
+            "running": running, "healthy": bool(healthy)}
+
+
+def op_rearm():
+    """A restart of an existing release is watched like a deploy: its status says so, the old
+    decision and disarm marker go, and a fresh guard (this restart's spec) watches the lease."""
+    name = ARGS["name"]
+    d = release_dir(name)
+    for marker in ("decision", "guard.disarm"):
+        if os.path.lexists(os.path.join(d, marker)):
+            os.unlink(os.path.join(d, marker))
+    replace_with(os.path.join(d, "lease"), "0\n")
+    before = release_info(name).get("status")
+    write_fields(name, {"status": "restarting", "status_before": before})
+    if ARGS.get("journal"):
+        journal(ARGS["journal"])
+    with guard_lock(name):
+        return {"guard": spawn_guard(name, ARGS["guard"])}
+
+
 def op_journal():
     if ARGS.get("entry"):
         journal(ARGS["entry"])
         return {"ok": True}
-    entries = []
-    try:
-        with open(JOURNAL) as fh:
-            for line in fh:
-                try:
-                    entries.append(json.loads(line))
-                except ValueError:
-                    continue
-    except OSError:
-        pass
+    entries, report = read_entries(JOURNAL, journal_entry_problem)
     n = int(ARGS.get("last") or 0)
-    return {"path": JOURNAL, "entries": entries[-n:] if n else entries}
+    return {"path": JOURNAL, "entries": entries[-n:] if n else entries, "report": report,
+            "problems": describe(report)}
 
 
-def op_renew():
-    """The controller is alive: push the guard's lease forward."""
-    try:
-        os.utime(os.path.join(release_dir(ARGS["name"]), "lease"), follow_symlinks=False)
-        return {"renewed": True}
-    except OSError:
-        return {"renewed": False}
+def journal_entry_problem(entry):
+    """Why a journal line is not an entry servops wrote (None when it is)."""
+    if not isinstance(entry.get("action"), str) or not isinstance(entry.get("at"), str):
+        return "no action/at text"
+    for key, value in entry.items():
+        if not isinstance(value, (str, int, float, bool, type(None), list, dict)):
+            return "field %s of the wrong type" % key
+        if isinstance(value, (list, dict)) and len(json.dumps(value)) > 65536:
+            return "field %s too large" % key
+    return None
 
 
 # ---- the guard: auto-rollback that survives the controller ----------------------------------
 #
-# Started with the new server. While the controller renews the lease, the guard only watches.
-# When the release is marked (healthy, failed, interrupted) or disarmed, it exits. If the lease
-# runs out first (controller killed, laptop closed, SSH dropped), the guard finishes the health
-# gate itself: a healthy server stays (marked "unconfirmed": the deploy's later gates never ran);
-# a dead, crashed or never-healthy one is rolled back to the previous release, patches included,
-# and the journal says why.
+# Armed with the new release, before any patch. While the controller bumps the lease counter,
+# the guard only watches. The lease is judged on the guard's own monotonic clock: a wall-clock
+# step (NTP, a VM resumed) neither disarms it nor makes it act. If the counter stops moving for
+# lease_timeout (controller killed, laptop closed, SSH dropped), the guard finishes the deploy
+# itself: a healthy server stays (marked "unconfirmed": the deploy's later gates never ran); a
+# dead, crashed or never-healthy one is rolled back to the previous release, patches included,
+# and the journal says why. Whoever acts on a release first, controller or guard, takes its
+# `decision` token; the other stands down (and the controller reports what the guard did). A
+# guard that dies is started again by the next servops command on the host, from guard.json.
+
+GUARD_FILES = ("guard.json", "guard.pid", "lease", "decision")
+
+
+def guard_path(name, what):
+    return os.path.join(release_dir(name), what)
+
 
 def guard_status(name):
-    return (read_json(os.path.join(release_dir(name), "release.json"), {}) or {}).get("status")
+    return release_info(name).get("status")
 
 
-def spawn_guard(name, spec):
+def read_lease(path):
+    """The lease counter the controller bumps (its text); None when unreadable."""
+    try:
+        data = read_regular(path)
+    except (OSError, FileProblem):
+        return None
+    return None if data is None else data[:64]
+
+
+def decision(name):
+    held = read_json(guard_path(name, "decision"))
+    return held if isinstance(held, dict) else None
+
+
+def claim(name, who, take_over=False):
+    """Take the release's decision token: (True, ours) or (False, the holder's). `take_over`
+    replaces a holder that is gone (a dead guard, a controller whose lease ran out)."""
+    path = guard_path(name, "decision")
+    who = dict(who, at=now_iso())
+    tmp = path + ".new-%d" % os.getpid()
+    replace_with(tmp, json.dumps(who))
+    try:
+        if take_over:
+            os.replace(tmp, path)
+            return True, who
+        try:
+            os.link(tmp, path)
+            return True, who
+        except FileExistsError:
+            held = decision(name) or {}
+            return held.get("id") == who["id"], held
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def op_claim():
+    """The controller takes the decision on its release before it marks it or rolls it back."""
+    ok, held = claim(ARGS["name"], {"by": "controller", "id": ARGS["id"], "action": ARGS["action"],
+                                    "who": ARGS.get("who")})
+    if not ok:
+        fail("GUARD-TOOK-OVER: the host's guard took over %s at %s (%s); servops stands down: see invoke "
+             "status and invoke history" % (ARGS["name"], held.get("at"), held.get("action") or "acting"))
+    return {"claimed": True}
+
+
+def op_owns():
+    """A step of the controller's restart goes ahead only while the release is still its own."""
+    held = decision(ARGS["name"])
+    if held and held.get("id") != ARGS["id"]:
+        fail("GUARD-TOOK-OVER: the host's guard took over %s at %s (%s); servops stands down: see invoke "
+             "status and invoke history" % (ARGS["name"], held.get("at"), held.get("action") or "acting"))
+    return {"owns": True}
+
+
+def guard_alive(name):
+    rec = read_json(guard_path(name, "guard.pid"))
+    if not isinstance(rec, dict):
+        return False
+    try:
+        return proc_starttime(int(rec["pid"])) == rec.get("starttime") is not None
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def spawn_guard(name, spec, resumed=False):
     d = release_dir(name)
-    lease = os.path.join(d, "lease")
-    touch_private(lease)
+    if not os.path.lexists(os.path.join(d, "lease")):
+        replace_with(os.path.join(d, "lease"), "0\n")
+    replace_with(os.path.join(d, "guard.json"), json.dumps(spec))
     r, w = os.pipe()
     pid = os.fork()
     if pid:
@@ -727,7 +1095,9 @@ def spawn_guard(name, spec):
         guard_pid = int(os.read(r, 32) or b"0")
         os.close(r)
         os.waitpid(pid, 0)
-        return {"pid": guard_pid, "starttime": proc_starttime(guard_pid), "lease": lease}
+        record = {"pid": guard_pid, "starttime": proc_starttime(guard_pid)}
+        replace_with(os.path.join(d, "guard.pid"), json.dumps(record))
+        return dict(record, lease=os.path.join(d, "lease"))
     # First child: new session, fork again so the guard is reparented and outlives this SSH channel.
     os.close(r)
     os.setsid()
@@ -737,48 +1107,73 @@ def spawn_guard(name, spec):
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.write(w, str(os.getpid()).encode())
-    os.close(w)
+    # nothing inherited stays open: the SSH channel, the guard.lock flock
+    os.closerange(3, 1 << 16)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if spec.get("_clock_step"):
+        # test hook: the guard's wall clock stepped (NTP, a resumed VM); it must not care
+        wall, step = time.time, float(spec["_clock_step"])
+        time.time = lambda: wall() + step
     try:
-        run_guard(name, spec, lease)
+        run_guard(name, spec, resumed)
     except BaseException as exc:  # the guard must never die silently
         try:
-            journal({"action": "guard.error", "release": name, "detail": "%s: %s" % (type(exc).__name__, exc)})
+            what = LAST_FAILURE[0] if isinstance(exc, SystemExit) and LAST_FAILURE else "%s: %s" % (
+                type(exc).__name__, exc)
+            journal({"action": "guard.error", "release": name, "detail": what})
         except Exception:
             pass
     os._exit(0)
 
 
-def run_guard(name, spec, lease):
-    started = time.time()
+def run_guard(name, spec, resumed=False):
+    started = time.monotonic()
     lease_timeout = float(spec["lease_timeout"])
-    disarm = os.path.join(release_dir(name), "guard.disarm")
+    d = release_dir(name)
+    disarm = os.path.join(d, "guard.disarm")
+    lease = os.path.join(d, "lease")
     previous = (spec.get("previous") or {}).get("name")
+    me = {"by": "guard", "id": "guard-%d" % os.getpid(), "pid": os.getpid(), "starttime": proc_starttime(os.getpid())}
 
-    def standing_down():
-        # armed before the switch: `current` is the previous release until then
-        return (os.path.exists(disarm) or guard_status(name) != "deploying"
-                or current_name() not in (name, previous))
+    def concluded():
+        held = decision(name) or {}
+        return (os.path.lexists(disarm) or held.get("by") == "op"
+                or (held.get("by") == "controller" and guard_status(name) == "healthy")
+                or (not held and guard_status(name) not in IN_FLIGHT)
+                or current_name() not in (name, previous))  # armed before the switch: previous until then
 
+    seen, changed_at = read_lease(lease), time.monotonic()
     while True:
-        if standing_down():
+        if concluded():
             return
-        try:
-            idle = time.time() - os.path.getmtime(lease)
-        except OSError:
-            return
+        value = read_lease(lease)
+        if value != seen:
+            seen, changed_at = value, time.monotonic()
+        idle = time.monotonic() - changed_at
         if idle > lease_timeout:
             break
-        time.sleep(1)
+        time.sleep(min(1.0, lease_timeout / 4))
+    held = decision(name)
+    if held and held.get("by") == "guard" and held.get("id") != me["id"] and \
+            proc_starttime(held.get("pid") or 0) == held.get("starttime") is not None:
+        return  # another guard acts (never two)
+    action = "finishing the deploy" if not held else "finishing %s's %s" % (held.get("by"), held.get("action"))
+    ok, held = claim(name, dict(me, action=action), take_over=bool(held))
+    if not ok:
+        return  # the controller decided first
     journal({"action": "guard.takeover", "release": name, "who": "guard on host",
-             "detail": "controller stopped renewing its lease %ds ago" % int(idle)})
+             "detail": "controller's lease has not moved for %ds (host monotonic clock)%s; %s"
+             % (int(idle), " (guard restarted)" if resumed else "", action)})
+    if guard_status(name) in ("failed", "interrupted"):  # the controller was rolling it back
+        guard_rollback(name, spec, {"state": guard_status(name), "reason": "the controller's rollback did not finish"})
+        return
     # A restart the controller began is finished by the host program: wait for it.
-    marker = os.path.join(release_dir(name), "restarting")
-    limit = float(spec.get("stop_grace", 30)) + 120
-    while os.path.exists(marker) and time.time() - os.path.getmtime(marker) < limit:
+    marker = os.path.join(d, "restarting")
+    limit = time.monotonic() + float(spec.get("stop_grace", 30)) + 120
+    while os.path.lexists(marker) and time.monotonic() < limit:
         time.sleep(1)
     if current_name() != name:
-        if previous and not server_proc():  # stopped, never switched: bring the old one back
+        if previous and not server_proc(adopt=True):  # stopped, never switched: bring the old one back
             guard_rollback(name, spec, {"state": "interrupted", "reason": "the restart onto it did not finish"})
             return
         # The controller died before the restart: the old release (if any) still stands; only
@@ -791,9 +1186,9 @@ def run_guard(name, spec, lease):
                  % (name, "the previous release still serving" if serving else "no server was running",
                     ("; " + "; ".join(problems)) if problems else "")})
         return
-    remaining = max(5.0, float(spec["health_timeout"]) - (time.time() - started))
+    remaining = max(5.0, float(spec["health_timeout"]) - (time.monotonic() - started))
     outcome = gate(name, int(spec["port"]), spec.get("health") or {}, spec.get("signatures") or [], remaining,
-                   stop_when=lambda: os.path.exists(disarm) or guard_status(name) != "deploying")
+                   stop_when=lambda: os.path.lexists(disarm))
     if outcome["state"] == "abandoned":
         return
     if outcome["state"] == "healthy":
@@ -805,9 +1200,41 @@ def run_guard(name, spec, lease):
     guard_rollback(name, spec, outcome)
 
 
+def unfinished_deploys():
+    """Releases whose deploy never finished: still deploying (or mid-rollback by its controller)
+    with no disarm. A dead guard is started again from its guard.json, under the release's
+    guard.pid lock (never two guards); returns what the caller should report."""
+    out = []
+    for rel in list_releases():
+        name = rel["name"]
+        d = os.path.join(RELEASES, name)
+        held = decision(name) or {}
+        mid_rollback = held.get("by") in ("controller", "guard") and rel.get("status") in ("failed", "interrupted")
+        if os.path.lexists(os.path.join(d, "guard.disarm")) or held.get("by") == "op":
+            continue
+        if rel.get("status") not in IN_FLIGHT and not mid_rollback:
+            continue
+        spec = read_json(os.path.join(d, "guard.json"))
+        if not isinstance(spec, dict):
+            continue  # armed by an older servops: the lock op marks it interrupted
+        with guard_lock(name):
+            if guard_alive(name):
+                out.append({"release": name, "guard": "watching", "detail": "deploy in progress; the host's guard "
+                            "finishes it if its controller is lost"})
+                continue
+            spawn_guard(name, spec, resumed=True)
+        journal({"action": "guard.restarted", "release": name,
+                 "detail": "deploy never finished and its guard was gone; a new guard finishes it (rollback or keep) "
+                           "once the controller's lease has not moved for %ds" % int(float(spec["lease_timeout"]))})
+        out.append({"release": name, "guard": "restarted", "detail": "deploy never finished: its guard was gone, a "
+                    "new one finishes it (rollback or keep) within %ds" % int(float(spec["lease_timeout"]))})
+    return out
+
+
 def write_fields(name, fields):
     path = os.path.join(release_dir(name), "release.json")
-    meta = read_json(path, {}) or {}
+    meta = release_info(name)
+    meta.pop("name", None)
     meta.update(fields)
     replace_with(path, json.dumps(meta, indent=1, sort_keys=True))
 
@@ -822,42 +1249,46 @@ def undo_patches(spec):
             else:
                 do_revert(step["patch"])
         except SystemExit:
-            problems.append("%s %s failed" % (step["action"], step["patch"]["name"]))
+            problems.append("%s %s failed%s" % (step["action"], step["patch"]["name"],
+                                                (": " + LAST_FAILURE[0]) if LAST_FAILURE else ""))
     return problems
 
 
 def guard_rollback(name, spec, outcome):
     owner = {"id": "guard-%d" % os.getpid(), "who": "servops guard on host", "action": "guard rollback of " + name,
              "host_pid": os.getpid(), "host_starttime": proc_starttime(os.getpid())}
-    held, _age, _readable = lock_state()
-    # The dead controller's lock is ours to take over: the guard acts for that deploy.
-    if held is not None and held.get("id") == spec.get("lock_id"):
+    held, _age, readable = lock_state()
+    # The dead controller's lock is ours to take over: the guard acts for that deploy (as for an
+    # unreadable lock, or one a dead guard left).
+    if held is not None and (held.get("id") == spec.get("lock_id") or not readable
+                             or (held.get("host_pid") and not held.get("alive_on_host"))):
         os.unlink(LOCKFILE)
     took = take_lock(dict(owner, acquired_at=now_iso()))
     why = "controller lost and the release %s: %s" % (outcome["state"], outcome["reason"])
     stop_server(float(spec.get("stop_grace", 30)))
     target = spec.get("previous")
-    if not target:
-        write_fields(name, {"status": "failed", "failure": why + "; no earlier release: server stopped"})
-        journal({"action": "guard.rollback", "release": name, "outcome": "server stopped", "detail": why})
+    try:
+        if not target:
+            write_fields(name, {"status": "failed", "failure": why + "; no earlier release: server stopped"})
+            journal({"action": "guard.rollback", "release": name, "outcome": "server stopped", "detail": why})
+            return
+        problems = undo_patches(spec)
+        write_fields(name, {"status": "failed", "failure": why})
+        switch_to(target["name"])
+        start_server(target["name"], target.get("port"))
+        back = gate(target["name"], int(target.get("port")), target.get("health") or {},
+                    spec.get("signatures") or [], float((target.get("health") or {}).get("timeout", 1200)))
+        write_fields(target["name"], {"status": "healthy" if back["state"] == "healthy" else "failed",
+                                      "rolled_back_at": now_iso(), "rolled_back_by": "guard"})
+        journal({"action": "guard.rollback", "release": name, "to": target["name"],
+                 "outcome": "rolled back" if back["state"] == "healthy" else "rollback failed: " + back["reason"],
+                 "detail": why + ("; " + "; ".join(problems) if problems else "")})
+    finally:
+        touch_private(os.path.join(release_dir(name), "guard.disarm"))  # done: no guard acts on it again
         if took:
-            os.unlink(LOCKFILE)
-        return
-    problems = undo_patches(spec)
-    write_fields(name, {"status": "failed", "failure": why})
-    switch_to(target["name"])
-    start_server(target["name"], target.get("port"))
-    back = gate(target["name"], int(target.get("port")), target.get("health") or {}, spec.get("signatures") or [],
-                float((target.get("health") or {}).get("timeout", 1200)))
-    write_fields(target["name"], {"status": "healthy" if back["state"] == "healthy" else "failed",
-                                  "rolled_back_at": now_iso(), "rolled_back_by": "guard"})
-    journal({"action": "guard.rollback", "release": name, "to": target["name"],
-             "outcome": "rolled back" if back["state"] == "healthy" else "rollback failed: " + back["reason"],
-             "detail": why + ("; " + "; ".join(problems) if problems else "")})
-    if took:
-        held, _a, _r = lock_state()
-        if held and held.get("id") == owner["id"]:
-            os.unlink(LOCKFILE)
+            held, _a, _r = lock_state()
+            if held and held.get("id") == owner["id"]:
+                os.unlink(LOCKFILE)
 
 
 def op_disarm():
@@ -868,7 +1299,8 @@ def op_disarm():
 OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare": op_prepare, "discard": op_discard,
        "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
-       "journal": op_journal, "renew": op_renew, "disarm": op_disarm}
+       "journal": op_journal, "disarm": op_disarm, "claim": op_claim, "owns": op_owns,
+       "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm}
 
 
 def run_op(op):
@@ -893,6 +1325,12 @@ def op_batch():
 
 
 OPS["batch"] = op_batch
-out = run_op(ARGS["op"])
+try:
+    check_root()
+    # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
+    UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
+    out = run_op(ARGS["op"])
+except FileProblem as exc:
+    fail(str(exc))
 out["site"] = []
 reply(out)

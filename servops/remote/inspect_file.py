@@ -4,13 +4,14 @@ def read_lines(path):
 
 
 def symbol_ranges(source, dotted):
-    """(start, end) of each def/class named `dotted` (`name` anywhere, or `Class.method`)."""
+    """(start, end, qualified name) of each def/class named `dotted` (`name` anywhere, or
+    `Class.method`; None: every one)."""
     import ast
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
         fail("cannot parse file for --symbol: %s" % exc)
-    parts = dotted.split(".")
+    parts = dotted.split(".") if dotted is not None else None
     found = []
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -18,7 +19,7 @@ def symbol_ranges(source, dotted):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, kinds):
                 here = path + [child.name]
-                if here[-len(parts):] == parts:
+                if parts is None or here[-len(parts):] == parts:
                     start = min([child.lineno] + [d.lineno for d in child.decorator_list])
                     found.append((start, child.end_lineno, ".".join(here)))
                 visit(child, here)
@@ -44,7 +45,12 @@ def main():
     elif mode == "symbol":
         ranges = symbol_ranges("\n".join(lines) + "\n", ARGS["symbol"])
         if not ranges:
-            fail("no def or class named %r in %s" % (ARGS["symbol"], rel or path))
+            import difflib
+            every = symbol_ranges("\n".join(lines) + "\n", None)
+            names = sorted({q for _s, _e, q in every} | {q.rsplit(".", 1)[-1] for _s, _e, q in every})
+            close = difflib.get_close_matches(ARGS["symbol"], names, n=1, cutoff=0.6)
+            fail("no def or class named %r in %s%s" % (ARGS["symbol"], rel or path,
+                                                       "; did you mean %s?" % close[0] if close else ""))
         for start, end, qual in ranges:
             blocks.append({"start": start, "lines": lines[start - 1:end], "matches": [], "label": qual})
     elif mode == "grep":

@@ -6,7 +6,7 @@
 # locally. Standard library only (its own keep-alive HTTP/1.1 client: a fraction of aiohttp's
 # CPU per request); a --tokenizer needs the `tokenizers` package there (SGLang's environment has it).
 #
-# Per level: warmup requests (excluded), /flush_cache, then the measured requests: at fixed
+# Per level: a warm-up (excluded; see warm_up), /flush_cache, then the measured requests: at fixed
 # concurrency (request rate inf), or arriving as a Poisson/gamma process at --request-rate under
 # the level's concurrency cap. While a level runs, the server's /metrics is sampled (1 Hz, and
 # before/after for histogram deltas) and so is nvidia-smi where present.
@@ -14,9 +14,11 @@
 # Output: one progress line {"progress": "level", "record": {...}} per finished level run (a
 # bench_serving-format result plus a "servops" block), progress lines for the bars, and the reply.
 import asyncio
+import functools
 import json
 import math
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -197,8 +199,12 @@ class Pool:
                         while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                             pass
                         break
-                    piece = await reader.readexactly(size + 2)
-                    yield piece[:-2]
+                    # in pieces: a server announcing one 64 MB chunk is never buffered whole here
+                    while size > 0:
+                        piece = await reader.readexactly(min(size, 1 << 16))
+                        size -= len(piece)
+                        yield piece
+                    await reader.readexactly(2)
             elif length is not None:
                 left = length
                 while left > 0:
@@ -247,6 +253,227 @@ async def _pairs(gen):
 
 
 # ---------------------------------------------------------------------------------- requests
+#
+# A server's stream is data to check, not numbers to trust: what a request keeps is bounded, its
+# counts are cross-checked, and an answer that breaks a bound fails THAT request, saying why (the
+# level goes on; its numbers leave the request out).
+#  - Token counts (usage.completion_tokens, /generate's meta_info) are whole numbers, at least the
+#    number of text chunks streamed -- sglang and vLLM send a chunk only with newly decoded tokens
+#    (one, or several: --stream-interval, speculative decoding, text held back for a partial UTF-8
+#    character or a stop string), never two chunks for one token -- and at most max_tokens, which
+#    neither generates past, plus MAX_OVERSHOOT: sglang releases before `finished_len` appended a
+#    whole accepted speculative draft before checking max_new_tokens.
+#  - Bytes: no vocabulary token's text takes MAX_TOKEN_BYTES (UTF-8, JSON-escaped), so a request's
+#    text, and any one server-sent event (at most the whole text, /generate streams it cumulatively,
+#    plus its JSON envelope), stays within STREAM_MARGIN + MAX_TOKEN_BYTES per token allowed, and
+#    within MAX_STREAM_BYTES whatever max_tokens (a million tokens of real text is ~4-8 MB).
+#    Only the first KEPT_TEXT_CHARS of the text are kept, unless asked (keep_text).
+MAX_OVERSHOOT = 64
+MAX_TOKEN_BYTES = 4096
+STREAM_MARGIN = 64 << 10
+MAX_STREAM_BYTES = 64 << 20
+KEPT_TEXT_CHARS = 1000
+ERROR_BODY_BYTES = 4096
+
+
+class StreamError(Exception):
+    """A server's answer that breaks a bound or cannot be true: its request fails with this."""
+
+
+def _no_constant(name):
+    raise ValueError("%s is not JSON" % name)
+
+
+_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity are not JSON: refused
+
+
+def _clip(value, limit=80):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_event(data):
+    """One SSE data line as a JSON object, else StreamError."""
+    try:
+        obj = _JSON.decode(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise StreamError("an event that is not JSON (%s): %s" % (str(exc)[:120], _clip(bytes(data[:100]).decode(
+            "utf-8", "replace"))))
+    if not isinstance(obj, dict):
+        raise StreamError("an event that is a JSON %s, not an object: %s" % (type(obj).__name__, _clip(obj)))
+    return obj
+
+
+class SseEvents:
+    """Server-sent events framing over the bytes as they arrive: each complete event's data lines
+    as JSON objects. At most `limit` bytes of an unfinished event are held."""
+
+    def __init__(self, limit):
+        self.buf = bytearray()
+        self.limit = limit
+        self.scanned = 0
+
+    def feed(self, piece):
+        buf = self.buf
+        buf += piece
+        out, pos = [], 0
+        find = max(self.scanned - 1, 0)  # only the new bytes (a separator may straddle two pieces)
+        while True:
+            end = buf.find(b"\n\n", find)
+            if end < 0:
+                break
+            if end - pos > self.limit:
+                raise StreamError("a server-sent event of %d bytes; at most %d for this request"
+                                  % (end - pos, self.limit))
+            for line in buf[pos:end].split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data != b"[DONE]":
+                        out.append(parse_event(data))
+            pos = find = end + 2
+        if pos:
+            del buf[:pos]
+        self.scanned = len(buf)
+        if len(buf) > self.limit:
+            raise StreamError("a server-sent event grew past %d bytes without ending (a blank line)" % self.limit)
+        return out
+
+
+class _Stream:
+    """One request's accounting into its record, fed the response body piece by piece (feed),
+    then finish(): the record, ok or failed with why. Raises StreamError on an impossible answer."""
+
+    def __init__(self, rec, max_tokens, keep_text=False):
+        self.rec, self.max_tokens = rec, max_tokens
+        self.cap = max_tokens + MAX_OVERSHOOT
+        self.limit = min(STREAM_MARGIN + MAX_TOKEN_BYTES * self.cap, MAX_STREAM_BYTES)
+        self.events = SseEvents(self.limit)
+        self.keep = None if keep_text else KEPT_TEXT_CHARS
+        self.last = None
+
+    def feed(self, t, piece):
+        for obj in self.events.feed(piece):
+            self.event(t, obj)
+
+    def count(self, value, what, capped=True):
+        """A token count the server sent: a whole number, 0 or more, within max_tokens' bound."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise StreamError("%s is %s, not a token count" % (what, _clip(value)))
+        if value < 0:
+            raise StreamError("%s is %s: a count cannot be negative" % (what, _clip(value, 40)))
+        if capped and value > self.cap:
+            raise StreamError("%s is %s for max_tokens %d: more than a server generates"
+                              % (what, _clip(value, 40), self.max_tokens))
+        return value
+
+    def server_error(self, obj):
+        self.rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
+
+
+class Completion(_Stream):
+    """/v1/completions: a text delta per chunk, the token count in the final usage chunk."""
+
+    def __init__(self, rec, max_tokens, keep_text=False):
+        _Stream.__init__(self, rec, max_tokens, keep_text)
+        self.chunks = self.chars = self.kept = 0
+        self.usage = None
+
+    def event(self, t, obj):
+        usage = obj.get("usage")
+        if usage:
+            if not isinstance(usage, dict):
+                raise StreamError("usage is %s, not an object" % _clip(usage))
+            self.usage = usage
+        choices = obj.get("choices")
+        if choices:
+            if not isinstance(choices, list) or not isinstance(choices[0], dict):
+                raise StreamError("choices is %s, not a list of objects" % _clip(choices))
+            piece = choices[0].get("text")
+            if not piece:
+                return
+            if not isinstance(piece, str):
+                raise StreamError("choices[0].text is %s, not text" % _clip(piece))
+            self.chunks += 1
+            self.chars += len(piece)
+            if self.chunks > self.cap:
+                raise StreamError("more than %d chunks of text for max_tokens %d (each carries a token or more)"
+                                  % (self.cap, self.max_tokens))
+            if self.chars > self.limit:
+                raise StreamError("more than %d characters of text for max_tokens %d" % (self.limit, self.max_tokens))
+            rec = self.rec
+            if self.last is None:
+                rec["ttft"] = t - rec["start"]
+            else:
+                rec["itl"].append(t - self.last)
+            self.last = t
+            if self.keep is None or self.kept < self.keep:
+                piece = piece if self.keep is None else piece[:self.keep - self.kept]
+                rec["text"].append(piece)
+                self.kept += len(piece)
+        elif obj.get("error") or obj.get("object") == "error":
+            self.server_error(obj)
+
+    def finish(self):
+        rec, usage = self.rec, self.usage or {}
+        if usage.get("completion_tokens") is None:
+            rec["output_len"], rec["usage_source"] = self.chunks, "chunks"
+        else:
+            n = self.count(usage["completion_tokens"], "usage.completion_tokens")
+            if n < self.chunks:
+                raise StreamError("usage.completion_tokens is %d, but %d chunks of text were streamed (each carries "
+                                  "a token or more)" % (n, self.chunks))
+            rec["output_len"], rec["usage_source"] = n, "usage"
+            prompt = usage.get("prompt_tokens")
+            rec["server_prompt_tokens"] = None if prompt is None else self.count(prompt, "usage.prompt_tokens", False)
+        return finish_record(rec, self.chunks)
+
+
+class Generate(_Stream):
+    """sglang's native /generate: each chunk carries the text so far and meta_info's count so far."""
+
+    def __init__(self, rec, max_tokens, keep_text=False):
+        _Stream.__init__(self, rec, max_tokens, keep_text)
+        self.out_len = 0
+        self.text = ""
+
+    def event(self, t, obj):
+        meta = obj.get("meta_info") or {}
+        if not isinstance(meta, dict):
+            raise StreamError("meta_info is %s, not an object" % _clip(meta))
+        text = obj.get("text")
+        if not text:
+            if obj.get("error"):
+                self.server_error(obj)
+            return
+        if not isinstance(text, str):
+            raise StreamError("text is %s, not text" % _clip(text))
+        if len(text) > self.limit:
+            raise StreamError("more than %d characters of text for max_new_tokens %d" % (self.limit, self.max_tokens))
+        n = meta.get("completion_tokens")
+        n = self.out_len + 1 if n is None else self.count(n, "meta_info.completion_tokens")
+        if n < self.out_len:
+            raise StreamError("meta_info.completion_tokens went back from %d to %d" % (self.out_len, n))
+        rec = self.rec
+        if self.last is None:
+            rec["ttft"] = t - rec["start"]
+        else:
+            new = n - self.out_len
+            if new <= 0:
+                return
+            rec["itl"].extend([(t - self.last) / new] * new)  # as bench_serving does
+        self.last = t
+        self.out_len = n
+        self.text = text if self.keep is None else text[:self.keep]
+        prompt = meta.get("prompt_tokens")
+        rec["server_prompt_tokens"] = None if prompt is None else self.count(prompt, "meta_info.prompt_tokens", False)
+
+    def finish(self):
+        rec = self.rec
+        rec["text"] = [self.text]
+        rec["output_len"] = self.out_len
+        rec["usage_source"] = "meta_info"
+        return finish_record(rec, self.out_len)
+
 
 def new_record(req):
     return {"ok": False, "start": 0.0, "ttft": 0.0, "itl": [], "latency": 0.0, "output_len": 0,
@@ -254,35 +481,35 @@ def new_record(req):
             "usage_source": None, "server_prompt_tokens": None, "dispatch": None}
 
 
-async def sse(session, url, payload, rec):
-    """POST `payload` and stream the answer's server-sent events: yields (arrival time, parsed
-    JSON) per data line. Times the request into `rec` (start, latency, the client's own CPU time,
-    which includes the caller's handling of each event); a non-200 answer becomes rec['error']."""
+async def post_stream(session, url, payload, rec, account):
+    """POST `payload` and feed the streamed answer to `account` as it arrives. Times the request
+    into `rec` (start, latency, the client's own CPU time, which includes the accounting of each
+    piece); a non-200 answer becomes rec['error'] (from its first ERROR_BODY_BYTES)."""
     t0 = time.perf_counter()
     body = json.dumps(payload).encode()
     start = time.perf_counter()
     rec["start"] = start
     rec["client_s"] += start - t0
-    status, buf = None, b""
-    async for chunk in session.stream("POST", url, body):
-        if status is None:
-            status = chunk[0]
-            continue
-        t_chunk = time.perf_counter()
-        buf += chunk
-        if status != 200:
-            continue
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data != b"[DONE]":
-                        yield t_chunk, json.loads(data)
-        rec["client_s"] += time.perf_counter() - t_chunk
+    status, error = None, b""
+    pieces = session.stream("POST", url, body)
+    try:
+        async for item in pieces:
+            if status is None:
+                status = item[0]
+                continue
+            t_piece = time.perf_counter()
+            if status != 200:
+                error += item
+                if len(error) > ERROR_BODY_BYTES:
+                    break
+                continue
+            account.feed(t_piece, item)
+            rec["client_s"] += time.perf_counter() - t_piece
+    finally:
+        await pieces.aclose()  # a request given up on mid-stream closes its connection now
     rec["latency"] = time.perf_counter() - start
     if status != 200:
-        rec["error"] = "HTTP %s: %s" % (status, buf.decode("utf-8", "replace").strip()[:300])
+        rec["error"] = "HTTP %s: %s" % (status, error[:ERROR_BODY_BYTES].decode("utf-8", "replace").strip()[:300])
 
 
 def finish_record(rec, produced):
@@ -293,78 +520,30 @@ def finish_record(rec, produced):
     return rec
 
 
-async def one_completion(session, url, req, model, rec):
+async def _request(session, url, payload, rec, account):
+    try:
+        await post_stream(session, url, payload, rec, account)
+        return rec if rec["error"] else account.finish()
+    except StreamError as exc:
+        rec["error"] = "refused the server's answer: %s" % exc
+    except Exception as exc:  # connection refused/reset: the server went away
+        rec["error"] = "%s: %s" % (type(exc).__name__, exc)
+    return rec
+
+
+async def one_completion(session, url, req, model, rec, keep_text=False):
     """/v1/completions, streamed; output tokens from the final `usage` chunk."""
     payload = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    text, itl = rec["text"], rec["itl"]
-    chunks, usage, last = 0, None, None
-    try:
-        async for t_chunk, obj in sse(session, url, payload, rec):
-            if obj.get("usage"):
-                usage = obj["usage"]
-            choices = obj.get("choices")
-            if choices:
-                piece = choices[0].get("text")
-                if piece:
-                    if last is None:
-                        rec["ttft"] = t_chunk - rec["start"]
-                    else:
-                        itl.append(t_chunk - last)
-                    last = t_chunk
-                    text.append(piece)
-                    chunks += 1
-            elif obj.get("error") or obj.get("object") == "error":
-                rec["error"] = "server error in stream: %s" % str(obj.get("error") or obj)[:300]
-    except Exception as exc:  # connection refused/reset: the server went away
-        rec["error"] = "%s: %s" % (type(exc).__name__, exc)
-        return rec
-    if rec["error"].startswith("HTTP "):
-        return rec
-    if usage and usage.get("completion_tokens") is not None:
-        rec["output_len"] = int(usage["completion_tokens"])
-        rec["usage_source"] = "usage"
-        rec["server_prompt_tokens"] = usage.get("prompt_tokens")
-    else:
-        rec["output_len"] = chunks
-        rec["usage_source"] = "chunks"
-    return finish_record(rec, chunks)
+    return await _request(session, url, payload, rec, Completion(rec, req["output_len"], keep_text))
 
 
-async def one_generate(session, url, req, model, rec):
+async def one_generate(session, url, req, model, rec, keep_text=False):
     """SGLang's native /generate with input_ids (random-ids), streamed with cumulative text."""
     prompt = req["prompt"]
     payload = {("input_ids" if isinstance(prompt, list) else "text"): prompt, "stream": True,
                "sampling_params": {"max_new_tokens": req["output_len"], "temperature": 0.0, "ignore_eos": True}}
-    itl = rec["itl"]
-    last, out_len, generated = None, 0, ""
-    try:
-        async for t_chunk, obj in sse(session, url, payload, rec):
-            meta = obj.get("meta_info") or {}
-            if obj.get("text"):
-                n_now = int(meta.get("completion_tokens", out_len + 1))
-                if last is None:
-                    rec["ttft"] = t_chunk - rec["start"]
-                else:
-                    new = n_now - out_len
-                    if new <= 0:
-                        continue
-                    itl.extend([(t_chunk - last) / new] * new)  # as bench_serving does
-                last = t_chunk
-                out_len = n_now
-                generated = obj["text"]
-                rec["server_prompt_tokens"] = meta.get("prompt_tokens")
-            elif obj.get("error"):
-                rec["error"] = "server error in stream: %s" % str(obj["error"])[:300]
-    except Exception as exc:
-        rec["error"] = "%s: %s" % (type(exc).__name__, exc)
-        return rec
-    if rec["error"].startswith("HTTP "):
-        return rec
-    rec["text"] = [generated]
-    rec["output_len"] = out_len
-    rec["usage_source"] = "meta_info"
-    return finish_record(rec, out_len)
+    return await _request(session, url, payload, rec, Generate(rec, req["output_len"], keep_text))
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -766,81 +945,154 @@ def bounded(call, timeout):
     return run
 
 
+# A real server compiles on first use: a batch size it has not run captures a CUDA graph or
+# compiles Triton kernels, a new prompt length bucket another prefill kernel, so one warm-up
+# request leaves the level's first measured requests paying for it (sglang 0.5.17 on an H200:
+# TTFT p99 159 ms against 43 ms warm, p50 equal). Adaptive warm-up (the default): waves of
+# `concurrency` requests (at least WARMUP_MIN_WAVE, so a wave's mean is not one request's) at
+# the level's own concurrency and prompt lengths (fresh prompts each wave, none of the measured
+# ones; output cut to WARMUP_OUTPUT_CAP tokens, as the decode shapes are the batch sizes,
+# reached in the first steps), until a wave's mean TTFT is within WARMUP_TOLERANCE (or
+# WARMUP_FLOOR_S) of the previous wave's; at most WARMUP_MAX_WAVES waves and WARMUP_MAX_S
+# seconds. A fixed count N: one wave of N requests. 0: none.
+WARMUP_MIN_WAVE = 8
+WARMUP_TOLERANCE = 0.10
+WARMUP_FLOOR_S = 0.002
+WARMUP_MAX_WAVES = 8
+WARMUP_MAX_S = 120.0
+WARMUP_OUTPUT_CAP = 32
+
+
+def settled(previous, wave):
+    """Whether a wave's mean TTFT (s) is within the tolerance of the previous wave's."""
+    return abs(wave - previous) <= max(WARMUP_TOLERANCE * previous, WARMUP_FLOOR_S)
+
+
+async def warm_up(call, session, url, model, reqs, concurrency, count=None, max_s=WARMUP_MAX_S):
+    """Warm the server for one level: `count` None adaptive, else that many requests. Returns what
+    was sent: mode, requests, ok, each wave's TTFT, converged (None for a fixed count), why."""
+    started = time.perf_counter()
+    sem = asyncio.Semaphore(concurrency)
+    info = {"mode": "adaptive" if count is None else "fixed", "requests": 0, "ok": 0, "waves": [],
+            "output_len": min(WARMUP_OUTPUT_CAP, max(r["output_len"] for r in reqs)),
+            "prompt_lens": [min(r["prompt_len"] for r in reqs), max(r["prompt_len"] for r in reqs)],
+            "converged": None}
+
+    async def one(req):
+        async with sem:
+            return await call(session, url, req, model, new_record(req))
+
+    sent = 0
+    while True:
+        size = max(concurrency, WARMUP_MIN_WAVE) if count is None else count
+        wave = [dict(reqs[(sent + k) % len(reqs)], output_len=min(reqs[(sent + k) % len(reqs)]["output_len"],
+                                                                  WARMUP_OUTPUT_CAP)) for k in range(size)]
+        sent += size
+        t0 = time.perf_counter()
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*(one(r) for r in wave)), max_s - (t0 - started))
+        except asyncio.TimeoutError:
+            info["requests"] += size
+            info["why"] = "stopped after %gs (a wave did not finish in the warm-up's time budget)" % max_s
+            info["converged"] = False if count is None else None
+            return info
+        ok = [r for r in outs if r["ok"]]
+        info["requests"] += size
+        info["ok"] += len(ok)
+        if not ok:
+            info["error"] = outs[0]["error"]
+            return info
+        ttft = mean([r["ttft"] for r in ok])
+        info["waves"].append({"requests": size, "ok": len(ok), "ttft_mean_ms": round(ttft * 1000, 3),
+                              "ttft_max_ms": round(max(r["ttft"] for r in ok) * 1000, 3),
+                              "seconds": round(time.perf_counter() - t0, 3)})
+        if count is not None:
+            info["why"] = "fixed count"
+            return info
+        waves = info["waves"]
+        if len(waves) >= 2 and settled(waves[-2]["ttft_mean_ms"] / 1000, ttft):
+            info["converged"] = True
+            info["why"] = "wave %d's mean TTFT within %d%% of wave %d's" % (len(waves), WARMUP_TOLERANCE * 100,
+                                                                           len(waves) - 1)
+            return info
+        if len(waves) >= WARMUP_MAX_WAVES or time.perf_counter() - started >= max_s:
+            info["converged"] = False
+            info["why"] = ("%d waves" % len(waves) if len(waves) >= WARMUP_MAX_WAVES
+                           else "%gs" % max_s) + " without two waves' mean TTFT within %d%%" % (WARMUP_TOLERANCE * 100)
+            return info
+
+
 async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/completions", rate=None,
                     burstiness=1.0, seed=0, warmup=0, flush=False, progress=None, monitor=True,
-                    flush_timeout=FLUSH_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S):
-    """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry."""
-    call = bounded(one_generate if endpoint == "/generate" else one_completion, request_timeout)
+                    flush_timeout=FLUSH_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S, keep_text=False,
+                    warm_reqs=None, warmup_s=WARMUP_MAX_S):
+    """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry.
+    warmup: 0 none, None adaptive, N that many requests (see warm_up), drawn from `warm_reqs`
+    (default: the measured requests)."""
+    one = one_generate if endpoint == "/generate" else one_completion
+    call = bounded(functools.partial(one, keep_text=keep_text), request_timeout)
     url = endpoint
     records = [None] * len(reqs)
-    info = {"warmup": {"requests": warmup}}
+    info = {"warmup": {"mode": "off", "requests": 0}}
     done = [0]
     session = Pool(base)
-    if True:
-        if warmup:
-            first = dict(reqs[0], output_len=min(reqs[0]["output_len"], 32))
-            sem = asyncio.Semaphore(concurrency)
+    if warmup != 0:
+        info["warmup"] = await warm_up(call, session, url, model, warm_reqs or reqs, concurrency, warmup,
+                                       warmup_s)
+        error = info["warmup"].get("error")  # every request failed; a wave cut by the time budget is no error
+        if error:
+            for i, req in enumerate(reqs):
+                records[i] = new_record(req)
+                records[i]["error"] = "not sent: warmup failed: %s" % error
+            return records, 0.0, info
+    info["flush_cache"] = (await flush_cache(session, flush_timeout)) if flush else {"requested": False}
+    gpu = GpuSampler() if monitor else None
+    mon = ServerMonitor(base) if monitor else None
+    if mon:
+        await mon.start()
+    offsets = arrival_offsets(len(reqs), rate, burstiness, random.Random(seed * 7919 + 17))
+    start = time.perf_counter()
+    if rate is None or math.isinf(rate):
+        # fixed concurrency: `concurrency` workers, each sending its next request at once
+        queue = list(range(len(reqs) - 1, -1, -1))
 
-            async def warm():
-                async with sem:
-                    return await call(session, url, first, model, new_record(first))
-
-            outs = await asyncio.gather(*(warm() for _ in range(warmup)))
-            info["warmup"]["ok"] = sum(1 for r in outs if r["ok"])
-            if not info["warmup"]["ok"]:
-                info["warmup"]["error"] = outs[0]["error"]
-                for i, req in enumerate(reqs):
-                    records[i] = new_record(req)
-                    records[i]["error"] = "not sent: warmup failed: %s" % outs[0]["error"]
-                return records, 0.0, info
-        info["flush_cache"] = (await flush_cache(session, flush_timeout)) if flush else {"requested": False}
-        gpu = GpuSampler() if monitor else None
-        mon = ServerMonitor(base) if monitor else None
-        if mon:
-            await mon.start()
-        offsets = arrival_offsets(len(reqs), rate, burstiness, random.Random(seed * 7919 + 17))
-        start = time.perf_counter()
-        if rate is None or math.isinf(rate):
-            # fixed concurrency: `concurrency` workers, each sending its next request at once
-            queue = list(range(len(reqs) - 1, -1, -1))
-
-            async def worker():
-                while queue:
-                    i = queue.pop()
-                    rec = new_record(reqs[i])
-                    rec["dispatch"] = time.perf_counter() - start
-                    records[i] = await call(session, url, reqs[i], model, rec)
-                    done[0] += 1
-                    if progress:
-                        progress(done[0], len(reqs))
-
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
-        else:
-            sem = asyncio.Semaphore(concurrency)
-
-            async def limited(i, rec):
-                async with sem:
-                    records[i] = await call(session, url, reqs[i], model, rec)
+        async def worker():
+            while queue:
+                i = queue.pop()
+                rec = new_record(reqs[i])
+                rec["dispatch"] = time.perf_counter() - start
+                records[i] = await call(session, url, reqs[i], model, rec)
                 done[0] += 1
                 if progress:
                     progress(done[0], len(reqs))
 
-            tasks = []
-            for i, off in enumerate(offsets):
-                delay = start + off - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                rec = new_record(reqs[i])
-                rec["dispatch"] = time.perf_counter() - start
-                tasks.append(asyncio.ensure_future(limited(i, rec)))
-            await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if mon:
-            info["server_metrics"] = await mon.stop()
-        if gpu:
-            info["gpu"] = gpu.stop()
-        info["connections_opened"] = session.opened
-        session.close()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(reqs)))))
+    else:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(i, rec):
+            async with sem:
+                records[i] = await call(session, url, reqs[i], model, rec)
+            done[0] += 1
+            if progress:
+                progress(done[0], len(reqs))
+
+        tasks = []
+        for i, off in enumerate(offsets):
+            delay = start + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = new_record(reqs[i])
+            rec["dispatch"] = time.perf_counter() - start
+            tasks.append(asyncio.ensure_future(limited(i, rec)))
+        await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    if mon:
+        info["server_metrics"] = await mon.stop()
+    if gpu:
+        info["gpu"] = gpu.stop()
+    info["connections_opened"] = session.opened
+    session.close()
     for i, r in enumerate(records):
         if r is None:
             records[i] = new_record(reqs[i])
@@ -867,6 +1119,8 @@ def servops_block(records, duration, info, level, repeat, spec, tok_path):
         "output_tokens_from": sources[0] if len(sources) == 1 else (sources or None),
         "input_len_unit": "tokens" if (tok_path or spec.get("kind") == "random-ids") else "words",
         "tokenizer": tok_path,
+        # the load generator's own peak memory so far (Linux: KiB): what the streams cost it
+        "client_max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "per_request": {
             "start_s": [round(r["start"] - t0, 6) if r["start"] else None for r in records],
             "dispatch_s": [None if r["dispatch"] is None else round(r["dispatch"], 6) for r in records],
@@ -895,12 +1149,18 @@ def bench(base, args, emit, progress=None):
     rate = args.get("request_rate")
     rate = None if rate in (None, "inf") else float(rate)
     endpoint = "/generate" if spec.get("kind") == "random-ids" else "/v1/completions"
+    warmup = args.get("warmup")
+    warmup = None if warmup in (None, "auto") else int(warmup)
     loop = asyncio.new_event_loop()
     try:
         setup = loop.run_until_complete(_setup(base))
         for level in args["levels"]:
             n = int(args.get("requests") or 0) or max(2 * level, 16)
             reqs = make_requests(spec, n, int(args.get("seed", 42)) * 1000003 + level, tok)
+            # fresh prompts for every warm-up wave: a wave repeating the last one's would hit the
+            # prefix cache, and its TTFT settle for that reason alone
+            warm = None if warmup == 0 else make_requests(spec, warmup or max(level, WARMUP_MIN_WAVE) * WARMUP_MAX_WAVES,
+                                                          int(args.get("seed", 42)) * 1000003 + level + 500009, tok)
             for rep in range(int(args.get("repeat", 1))):
                 if progress:
                     progress(level, rep, 0, n)
@@ -908,9 +1168,12 @@ def bench(base, args, emit, progress=None):
                 records, duration, info = loop.run_until_complete(run_level(
                     base, reqs, level, args.get("model", "default"), endpoint, rate,
                     float(args.get("burstiness", 1.0)), int(args.get("seed", 42)) + level * 31 + rep,
-                    int(args.get("warmup", 0)), bool(args.get("flush_cache", False)), cb,
+                    0 if rep else warmup, bool(args.get("flush_cache", False)), cb,
                     bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S)),
-                    float(args.get("request_timeout") or REQUEST_TIMEOUT_S)))
+                    float(args.get("request_timeout") or REQUEST_TIMEOUT_S), bool(args.get("keep_text")), warm,
+                    float(args.get("warmup_s") or WARMUP_MAX_S)))
+                if rep and warmup != 0:
+                    info["warmup"] = {"mode": "off", "requests": 0, "why": "warmed up before run 1 of this level"}
                 cfg = {"request_rate": float("inf") if rate is None else rate, "max_concurrency": level,
                        "dataset_name": spec.get("kind"), "input_len": spec["input_len"],
                        "output_len": spec["output_len"], "range_ratio": spec["range_ratio"],
@@ -920,11 +1183,13 @@ def bench(base, args, emit, progress=None):
                 line = calculate(records, duration, cfg)
                 block = servops_block(records, duration, info, level, rep, spec, args.get("tokenizer"))
                 block["sglang_version"] = setup["sglang_version"]
+                block["generated_texts_kept_chars"] = None if args.get("keep_text") else KEPT_TEXT_CHARS
                 line["servops"] = block
                 stop = None
                 if line["completed"] == 0 or block["failed"] * 2 > block["requests"]:
-                    stop = "level %d: %d of %d requests failed; the server stopped answering" % (
-                        level, block["failed"], block["requests"])
+                    common = max(block["errors"].items(), key=lambda kv: kv[1])[0] if block["errors"] else ""
+                    stop = "level %d: %d of %d requests failed (%s); the bench stopped there" % (
+                        level, block["failed"], block["requests"], common[:200] or "no error given")
                 block["stopped"] = stop
                 emit(line)
                 if stop:

@@ -291,14 +291,13 @@ def learn_prefixes(raw_lines, limit=2000):
 _FILE_IN_LINE = ' File "'
 
 
-def _unfold(raw):
-    """A traceback whose line breaks a paste lost (a markdown quote joins its lines into one):
-    split it again where the per-line prefix repeats - the text that stands before each of its
-    `File "..."` frames, e.g. ` (SGLangWorker pid=38138)`."""
+def _fold_separator(raw):
+    """The per-line prefix a paste that lost its line breaks repeats inside one line: the text
+    that stands before each of its `File "..."` frames, e.g. ` (SGLangWorker pid=38138)`."""
     first = raw.find(_FILE_IN_LINE)
     second = raw.find(_FILE_IN_LINE, first + 1) if first >= 0 else -1
     if second < 0:
-        return [raw]
+        return None
     a, b = raw[:first], raw[:second]
     n = 0
     while n < len(a) and a[-1 - n] == b[-1 - n]:
@@ -306,9 +305,47 @@ def _unfold(raw):
     sep = a[len(a) - n:]
     sep = sep[sep.find(" "):] if " " in sep.strip() or sep.startswith(" ") else sep
     if len(sep.strip()) < 6 or raw.count(sep) < 3:
-        return [raw]
+        return None
+    return sep
+
+
+def _unfold(raw, sep):
+    """A line split again where the prefix `sep` repeats inside it."""
     parts = raw.split(sep)
-    return [parts[0]] + [sep.lstrip() + " " + p.strip() for p in parts[1:]]
+    return ([parts[0]] if parts[0].strip() else []) + [sep.lstrip() + " " + p.strip() for p in parts[1:]]
+
+
+# Lines a terminal wrapped (or a viewer cut at its width) and the piece it put on the next line,
+# which carries no prefix of its own: a frame line cut in its path or before its line number or
+# function (`File "/x/convert_frame.py", li` + `ne 715, in compile_inner`), `Exception raised
+# from F at` + its C location, a dotted exception type cut at a dot (`torch._dynamo.exc.` +
+# `Unsupported: ...`).
+_FRAME_DONE = _re.compile(r'^\s*File "[^"]+", line \d+,? in \S')
+_FRAME_CUT = _re.compile(r'^\s*File "')
+_RAISED_CUT = _re.compile(r"Exception raised from \S+(?: at ?\S*)?$")
+_RAISED_DONE = _re.compile(r"Exception raised from \S+ at \S+ \(most recent call first\):")
+_MODULE_CUT = _re.compile(r"^\s*(?:[A-Za-z_]\w*\.)+$")
+_TYPE_REST = _re.compile(r"^[A-Z]\w*(?::|$)")
+
+
+def _rewrap(body, next_raw, learned):
+    """`body` joined with the next raw line when that line is the rest a terminal wrapped off it."""
+    nxt, tags = strip_prefixes(_clean(next_raw), learned)
+    if tags or not nxt.strip():
+        return None
+    if _FRAME_CUT.match(body) and not _FRAME_DONE.match(body) and 'File "' not in nxt:
+        quote_open = body.count('"') % 2 == 1
+        joined = body.rstrip() + nxt.strip() if quote_open else body + nxt
+        return joined if _FRAME_DONE.match(joined) else None
+    if "Exception raised from" in body and _RAISED_CUT.search(body.rstrip()):
+        joined = body + nxt if body.endswith(" ") or nxt.startswith(" ") else body + " " + nxt
+        for cand in (joined, body.rstrip() + nxt.strip()):
+            if _RAISED_DONE.search(cand):
+                return cand
+        return None
+    if _MODULE_CUT.match(body) and _TYPE_REST.match(nxt):
+        return body.rstrip() + nxt
+    return None
 
 
 def _double_spaced(text):
@@ -347,9 +384,13 @@ def normalise(text):
     if ("\n\n" in head or "\n\r\n" in head) and _double_spaced(text):
         raw_lines, numbers = _undouble(raw_lines)
     if any(len(r) > 400 and r.count(_FILE_IN_LINE) > 1 for r in raw_lines):
+        # (the same prefix found in a line with frames splits the paste's other joined lines too:
+        # the one holding the exception line has no frame to find it by)
+        seps = {sep for sep in (_fold_separator(r) for r in raw_lines if len(r) > 400) if sep}
         unfolded, renumbered = [], []
         for k, raw in enumerate(raw_lines):
-            parts = _unfold(raw) if len(raw) > 400 else [raw]
+            sep = next((sep for sep in seps if sep in raw[1:]), None) if len(raw) > 200 else None
+            parts = _unfold(raw, sep) if sep else [raw]
             unfolded.extend(parts)
             renumbered.extend([numbers[k] if numbers else k + 1] * len(parts))
         raw_lines, numbers = unfolded, renumbered
@@ -358,9 +399,17 @@ def normalise(text):
     current = ""          # stream of the last record header: its continuation lines follow it
     follows = False       # whether untagged lines continue that record
     ranks = {"": ""}      # stream -> the rank its last record header named
-    for k, raw in enumerate(raw_lines):
+    k = -1
+    while k + 1 < len(raw_lines):
+        k += 1
+        raw = raw_lines[k]
         no = numbers[k] if numbers else k + 1
         body, tags = strip_prefixes(_clean(raw), learned)
+        if k + 1 < len(raw_lines) and (_FILE_IN_LINE in body or body.endswith((".", "at", "at "))):
+            joined = _rewrap(body, raw_lines[k + 1], learned)
+            if joined is not None:
+                body = joined
+                k += 1
         proc = [t[2] for t in tags if t[1] == "proc"]
         record = [t[2] for t in tags if t[1] == "record"]
         levels = [t[3] for t in tags if t[3]]

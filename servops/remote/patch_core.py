@@ -27,9 +27,14 @@ def now_iso():
 
 
 def fault(point):
-    """Crash-safety tests kill the program at a named point of a commit (SIGKILL: no cleanup)."""
-    if ARGS.get("_fault") == point:
+    """Crash-safety tests kill the program at a named point (SIGKILL: no cleanup), or fill the
+    disk there (`enospc-<point>`: the next write fails as on a full disk)."""
+    injected = ARGS.get("_fault") or ""
+    if injected == point:
         os.kill(os.getpid(), signal.SIGKILL)
+    op, _, where = point.partition(":")
+    if injected == "%s:enospc-%s" % (op, where):
+        raise OSError(errno.ENOSPC, "No space left on device (injected by SERVOPS_FAULT)")
 
 
 def fsync_dir(path):
@@ -167,7 +172,8 @@ def end_txn():
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def commit(journal):
+def commit_files(journal):
+    """Every file replaced, then the commit point: the `committed` marker."""
     site = journal["site"]
     for n, f in enumerate(journal["files"]):
         fault("%s:rename:%d" % (journal["op"], n))
@@ -178,7 +184,6 @@ def commit(journal):
     write_durable(os.path.join(TXN, "committed"), b"1")
     fsync_dir(TXN)
     fault("%s:committed" % journal["op"])
-    finish(journal)
 
 
 def finish(journal):
@@ -238,7 +243,31 @@ def recover():
 
 
 def transact(op, patch_name, site, changes, state_after, backup):
-    commit(begin(op, patch_name, site, changes, state_after, backup))
+    """Run the transaction; returns None when it is recorded, else why the record is pending.
+
+    Before the commit point a failure (a full disk, say) undoes the files first and is reported
+    as "nothing was changed"; after it, the files ARE patched and the message says so: the next
+    patch operation finishes the record (the journal holds everything it needs)."""
+    try:
+        journal = begin(op, patch_name, site, changes, state_after, backup)
+    except OSError as exc:
+        shutil.rmtree(TXN + ".tmp", ignore_errors=True)
+        fail("%s %s failed before any file changed (%s); nothing was changed" % (op, patch_name, exc))
+    try:
+        commit_files(journal)
+    except OSError as exc:
+        try:
+            roll_back(journal)
+        except OSError as again:
+            fail("%s %s failed (%s) and could not be undone yet (%s): the next patch operation undoes it"
+                 % (op, patch_name, exc, again))
+        fail("%s %s failed (%s); rolled back, nothing was changed" % (op, patch_name, exc))
+    try:
+        finish(journal)
+    except OSError as exc:
+        return "%s (%s); the next patch operation will record it" % (
+            {"apply": "applied, not yet recorded", "revert": "reverted, not yet recorded"}[op], exc)
+    return None
 
 
 # ---- patch(1) on a staged copy --------------------------------------------------------------
@@ -443,8 +472,8 @@ def do_apply(patch, dry_run=False, expect_version=None, lock_timeout=30):
             return answer("changed", "would apply (check mode)", diff, recovered)
         after = dict(state, applied=dict(state["applied"]))
         after["applied"][patch["name"]] = record_for(patch, version, changes)
-        transact("apply", patch["name"], site, changes, after, {"action": "set", "name": patch["name"]})
-        return answer("changed", "applied", diff, recovered)
+        pending = transact("apply", patch["name"], site, changes, after, {"action": "set", "name": patch["name"]})
+        return answer("changed", pending or "applied", diff, recovered)
 
 
 def do_revert(patch, dry_run=False, lock_timeout=30):
@@ -479,8 +508,8 @@ def do_revert(patch, dry_run=False, lock_timeout=30):
             return answer("changed", "would revert (check mode)", diff, recovered)
         after = dict(state, applied=dict(state["applied"]))
         after["applied"].pop(patch["name"], None)
-        transact("revert", patch["name"], site, changes, after, {"action": "drop", "name": patch["name"]})
-        return answer("changed", "reverted" + (" (exact restore)" if exact else ""), diff, recovered)
+        pending = transact("revert", patch["name"], site, changes, after, {"action": "drop", "name": patch["name"]})
+        return answer("changed", pending or ("reverted" + (" (exact restore)" if exact else "")), diff, recovered)
 
 
 def pristine_from_wheel(dist, version, rel):

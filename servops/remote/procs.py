@@ -6,11 +6,22 @@ import socket as _socket
 
 
 def read_json(path, default=None):
+    """A small JSON file servops wrote (server.pid, release.json, the lock), or `default`: never
+    through a symlink, never blocking on a FIFO planted there, never a directory's error."""
+    import stat as _stat
     try:
-        with open(path) as fh:
-            return _json.load(fh)
-    except (OSError, ValueError):
+        fd = _os.open(path, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_NONBLOCK)
+    except OSError:
         return default
+    try:
+        if not _stat.S_ISREG(_os.fstat(fd).st_mode):
+            return default
+        with _os.fdopen(fd, "rb", closefd=False) as fh:
+            return _json.loads(fh.read(4 << 20))
+    except (OSError, ValueError, RecursionError):
+        return default
+    finally:
+        _os.close(fd)
 
 
 def proc_starttime(pid):
@@ -74,3 +85,189 @@ def port_in_use(port):
     finally:
         s.close()
     return False
+
+
+# ---- every process of a release -----------------------------------------------------------
+#
+# A server is a process tree: sglang's TP schedulers and detokenizer, vLLM's EngineCore and
+# workers. Children can ignore SIGTERM (a scheduler stuck in NCCL), outlive their leader and go
+# on serving the port, or leave the session with setsid(). servops starts every server with
+# RELEASE_ENV naming its release directory; a process belongs to a release when it carries that
+# mark, lives in the leader's session or process group, descends from it, or runs (cwd or exe)
+# inside the release directory detached: without a terminal, and a session leader or an orphan
+# (what setsid() or a double fork leaves). An operator's shell or `tail -f` cd'd there is none.
+
+RELEASE_ENV = "SERVOPS_RELEASE_DIR"
+
+
+def _inside(path, root):
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _environ_mark(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            data = fh.read(1 << 20)
+    except OSError:
+        return None
+    key = RELEASE_ENV.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key):].decode("utf-8", "replace")
+    return None
+
+
+def _link(pid, what):
+    try:
+        return _os.path.realpath("/proc/%d/%s" % (pid, what))
+    except OSError:
+        return None
+
+
+def _comm(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
+
+
+def process_table():
+    """pid -> facts of every live (non-zombie) process of this user, from /proc."""
+    me = _os.getuid()
+    table = {}
+    for entry in _os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        fields = _proc_stat(pid)
+        if not fields or fields[0] in ("Z", "X"):
+            continue
+        try:
+            if _os.stat("/proc/%d" % pid).st_uid != me:
+                continue
+        except OSError:
+            continue
+        table[pid] = {"pid": pid, "ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3]),
+                      "tty": int(fields[4]), "starttime": fields[19], "state": fields[0]}
+    return table
+
+
+def _ancestors(pid, table):
+    seen = set()
+    while pid in table and pid not in seen:
+        seen.add(pid)
+        pid = table[pid]["ppid"]
+    return seen
+
+
+def release_processes(releases_dir, leaders=(), table=None):
+    """{pid: facts + "release" + "why"} of every process belonging to a release under
+    `releases_dir` (see above). `leaders`: the recorded server leaders, each (pid, release)."""
+    table = process_table() if table is None else table
+    releases_dir = _os.path.realpath(releases_dir)
+    spare = _ancestors(_os.getpid(), table) | {1}
+    found = {}
+
+    def take(pid, release, why):
+        if pid not in spare and pid not in found and pid in table:
+            found[pid] = dict(table[pid], release=release, why=why)
+
+    for pid, release in leaders:
+        # the leader leads its session and group (setsid at start): its members are found by
+        # that id even once the leader itself is gone
+        if pid in table and table[pid]["sid"] == pid:
+            take(pid, release, "server leader")
+        for other in table.values():
+            if other["sid"] == pid or other["pgid"] == pid:
+                take(other["pid"], release, "in the server's session")
+    for pid, facts in table.items():
+        if pid in found or pid in spare:
+            continue
+        mark = _environ_mark(pid)
+        if mark and _inside(_os.path.realpath(mark), releases_dir):
+            take(pid, _os.path.basename(mark.rstrip("/")), "marked as a process of the release")
+            continue
+        detached = facts["sid"] == pid or facts["ppid"] == 1 or facts["ppid"] not in table
+        if facts["tty"] == 0 and detached:
+            for what in ("cwd", "exe"):
+                path = _link(pid, what)
+                if path and _inside(path, releases_dir) and path != releases_dir:
+                    rel = path[len(releases_dir) + 1:].split("/", 1)[0]
+                    take(pid, rel, "runs in the release directory (%s)" % what)
+                    break
+    # descendants of anything found (a child that changed its cwd and environment)
+    grew = True
+    while grew:
+        grew = False
+        for pid, facts in table.items():
+            if pid not in found and pid not in spare and facts["ppid"] in found:
+                take(pid, found[facts["ppid"]]["release"], "child of %d" % facts["ppid"])
+                grew = True
+    sessions = {pid for pid, _r in leaders}
+    for pid, facts in found.items():
+        facts["name"] = _comm(pid)
+        if sessions and facts["why"] != "server leader" and facts["sid"] not in sessions:
+            facts["escaped"] = True  # left the server's session (setsid): found by the same rules
+    return found
+
+
+def listener_inodes(port):
+    """Socket inodes listening on this TCP port (IPv4 and IPv6), from /proc/net."""
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == int(port):
+                        inodes.add(f[9])
+        except (OSError, StopIteration, ValueError):
+            continue
+    return inodes
+
+
+def port_holders(port, pids=None):
+    """Pids (of this user, or among `pids`) holding a listening socket on `port`."""
+    wanted = {"socket:[%s]" % i for i in listener_inodes(port)}
+    if not wanted:
+        return set()
+    holders = set()
+    for pid in (pids if pids is not None else [int(p) for p in _os.listdir("/proc") if p.isdigit()]):
+        try:
+            for fd in _os.listdir("/proc/%d/fd" % pid):
+                if _os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
+                    holders.add(pid)
+                    break
+        except OSError:
+            continue
+    return holders
+
+
+def gpu_apps():
+    """[{pid, name, used_mib}] of nvidia-smi's compute apps; None where there is no nvidia-smi."""
+    import shutil
+    import subprocess
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_gpu_apps(out)
+
+
+def parse_gpu_apps(text):
+    apps = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            try:
+                used = float(parts[-1])
+            except ValueError:
+                used = None
+            apps.append({"pid": int(parts[0]), "name": ",".join(parts[1:-1]), "used_mib": used})
+    return apps

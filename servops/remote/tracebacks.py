@@ -15,10 +15,21 @@ _FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in ?(
 _CARETS = _re.compile(r"^\s*[\^~]+[\s\^~]*$")
 _EXC_LINE = _re.compile(r"^(?P<type>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::(?:\s(?P<msg>.*))?)?$")
 _EXC_NAME = r"(?:[A-Za-z_]\w*\.)*(?=[A-Z])(?:\w+?(?:Error|Exception|Unsupported|Exit|Interrupt|Failure|Timeout|OutOfResources)|Exception|Unsupported|OutOfResources)"
-_EXC_EMBEDDED = _re.compile(r"(?:^|(?<=\s))(?P<type>" + _EXC_NAME + r"): (?P<msg>\S.*)$")
+# (inside prose too: after a space, a quote, a bracket, CJK text - any character a dotted name
+# cannot continue from)
+_EXC_EMBEDDED = _re.compile(r"(?<![A-Za-z0-9_.])(?P<type>" + _EXC_NAME + r"): (?P<msg>\S.*)$")
 # an exception logged as its repr with a message after it: `... with exception
 # KVTransferError(bootstrap_room=165): Failed due to ...`
-_EXC_REPR = _re.compile(r"(?:^|(?<=\s))(?P<type>" + _EXC_NAME + r")\((?P<args>[^()\n]{0,200})\): (?P<msg>\S.*)$")
+_EXC_REPR = _re.compile(r"(?<![A-Za-z0-9_.])(?P<type>" + _EXC_NAME + r")\((?P<args>[^()\n]{0,200})\): (?P<msg>\S.*)$")
+# IPython/Jupyter: `ValueError      Traceback (most recent call last)`, then frames as `Cell In[3],
+# line 5` / `File /x.py:177, in LLM.__init__(self, ...)` (IPython 8) or `/x.py in f(a)` /
+# `<ipython-input-3-ab> in <module>` (IPython 7), each with a numbered source listing whose
+# current line has an arrow (`----> 5 llm = LLM(...)`).
+_IPY_HEADER = _re.compile(r"^\s*(?P<type>[A-Za-z_][\w.]*)\s{2,}Traceback \(most recent call last\)")
+_IPY_FRAME = _re.compile(r"^(?:File (?P<p1>\S.*?):(?P<l1>\d+), in (?P<f1>[^\s(]+)|(?P<p2>Cell In\[\d+\]), line (?P<l2>\d+)|"
+                         r"(?P<p3>Input In \[\d+\]), in (?P<f3>[^\s(]+)|"
+                         r"(?P<p4>(?:[~/.]|[A-Za-z]:\\)\S*\.py|<ipython-input-[\w-]+>) in (?P<f4>[^\s(]+))")
+_IPY_ARROW = _re.compile(r"^\s*-*>\s*(?P<no>\d+)\s(?P<code>.*)$")
 _CAUSE = "The above exception was the direct cause of the following exception:"
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _USER_CODE = _re.compile(r"^\s*from user code:\s*$")
@@ -37,6 +48,7 @@ _GROUP = _re.compile(r"(?:^|\.)(?:Base)?ExceptionGroup$")
 _PROCESS_HEADER = _re.compile(r"^Process [\w.-]+:\s*$")  # multiprocessing, before a child's traceback
 _QUIET_LEVELS = ("INFO", "DEBUG", "TRACE", "NOTICE", "WARN", "WARNING")
 _QUIET_TRACEBACK = _QUIET_LEVELS + ("W", "I", "D")  # glog's letters (logscan)
+_QUIET_ENDED = ("INFO", "DEBUG", "TRACE", "NOTICE", "I", "D")  # a warning that a worker died still counts
 
 # Lines that are evidence on their own. "consequence" classes report that something already
 # failed (a child died, a worker did not start, an exit code): they join the failure they follow.
@@ -50,6 +62,10 @@ _ERROR_CLASSES = [
                          r"ProcessGroupNCCL.*(?:terminated with exception|[Tt]imed? ?out)|NCCL communicator was aborted")),
     ("signal", _re.compile(r"Segmentation fault|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL)\b|Aborted \(core dumped\)|\(core dumped\)|^Killed\s*$|"
                            r"^Bus error|received signal (?:\d+|SIG\w+)|Signal \d+ \(SIG\w+\) received|"
+                           # a shell's report of its child's death (`line 18:  1669 Illegal instruction  (core dumped) python ...`)
+                           r"^(?:Illegal instruction|Aborted|Floating point exception|Trace/breakpoint trap)\s*$|"
+                           r"\b\d+ (?:Illegal instruction|Segmentation fault|Aborted|Killed|Bus error|Floating point exception)\s|"
+                           r"illegal hardware instruction|"
                            # a launcher reporting its child's death (TGI's shard manager, mpirun); not
                            # SIGINT/SIGTERM, which is how a server is stopped
                            r"(?:signaled to shutdown with|exited on|killed by|terminated by) signal (?!(?:2|15)\b)\d+")),
@@ -61,7 +77,11 @@ _ERROR_CLASSES = [
     ("sglang", _re.compile(r"Piecewise CUDA Graph failed|Capture (?:piecewise )?cuda graph failed|"
                            r"(?:TokenizerManager|DetokenizerManager|DataParallelController) hit an exception|Exception in run_tp_server|"
                            r"scheduler is dead|Child process unexpectedly failed", _re.I)),
-    ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed")),
+    # a compiler's own words, with no traceback around them: nvcc's error count, ninja's failed
+    # target, ptxas refusing its input
+    ("build", _re.compile(r"ninja: build stopped|^FAILED: |\bfatal error: |nvcc fatal|Ninja build failed|"
+                          r"^\d+ errors? detected in the compilation of|^ptxas (?:fatal|error)\s*:|"
+                          r"error: command '[^']*(?:nvcc|g\+\+|gcc|c\+\+)[^']*' failed")),
     ("bind", _re.compile(r"[Aa]ddress already in use|EADDRINUSE|error while attempting to bind")),
     # torch.distributed's rendezvous: the c10d store cannot be reached or set up (multi-node
     # --dist-init-addr / MASTER_ADDR unreachable, a firewall, a wrong node rank)
@@ -70,43 +90,89 @@ _ERROR_CLASSES = [
     # a Rust panic (SGLang's router, TGI's launcher): no Python traceback at all
     ("panic", _re.compile(r"\bthread '[^'\n]*' panicked at\b|^panicked at '")),
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
-    ("hub", _re.compile(r"Cannot access gated repo|is restricted\. You must (?:have access|be authenticated)|"
+    ("hub", _re.compile(r"Cannot access gated repo|is (?:restricted|gated)\. You must (?:have access|be authenticated)|"
                         r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
+    # the GPU below what the server or the dtype needs, said without an exception class
+    ("arch", _re.compile(r"is only supported on GPUs with compute capability|GPUs with compute capability (?:below|lower than) [\d.]+ are not supported")),
+    # an extension built against other libraries than the installed ones
+    ("linker", _re.compile(r"undefined symbol: \S")),
+    # the host refusing a thread or a process (pids/threads limit, ulimit)
+    ("limits", _re.compile(r"pthread_create failed|can't start new thread|[Ff]ailed to create (?:a )?(?:new )?thread|Thread creation failed|"
+                           r"fork: (?:retry: )?(?:Resource temporarily unavailable|No child processes)|[Tt]oo many open files")),
     # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig";
     # argparse refusing the command line: "launch_server.py: error: unrecognized arguments: --x"
     ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+|^[\w.-]+: error: \S")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
+                         r"Got fatal signal from worker processes|EngineCore encountered an issue|"
+                         r"returned non-zero exit status -?[1-9]|"
                          r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
                          r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
                          r"died with (?:exit code|signal)|\bShard \d+ failed to start|ShardCannotStart|ShardFailed|"
                          # TGI's router: the shard's socket is gone (the shard process exited)
                          r"Server error: error trying to connect", _re.I)),
+    # a launcher's or wrapper's own last words, with no exception class and no log level (Go and
+    # Rust CLIs, docker): `Error: llama runner process has terminated`, `docker: Error response
+    # from daemon: ...`
+    ("message", _re.compile(r"^(?:[\w.-]+: )?(?:Error|FATAL|Fatal error)(?: response from daemon)?: \S|^error: \S")),
 ]
 _CONSEQUENCE = ("exit",)
 _WEAK = ("hint",)  # a cause only when nothing stronger is there
+# Exceptions that only report that another process already failed (vLLM's front end when its
+# engine core died, a worker wrapper re-raising): after a real failure they are its consequence.
+_CONSEQUENCE_EXC = _re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue|"
+                               r"EngineCore failed to start|Engine process failed to start|WorkerProc initialization failed|"
+                               r"Exception in worker \S+ while processing method|Error executing method \S+\. This might cause deadlock")
+# The process died or exited in failure: a signal, a non-zero exit, a killed child, a dead engine.
+# (SIGINT/SIGTERM are how a server is stopped; exit code 0 is success.)
+_ENDED = _re.compile(
+    r"Segmentation fault|\bSIG(?:SEGV|ABRT|BUS|FPE|ILL|KILL)\b|\(core dumped\)|^Killed\s*$|\b\d+ Killed\s|^Bus error|"
+    r"Illegal instruction|illegal hardware instruction|^Aborted\s*$|Floating point exception|Trace/breakpoint trap|"
+    r"received signal (?!(?:2|15|SIGINT|SIGTERM)\b)(?:\d+|SIG\w+)|"
+    r"(?:signaled to shutdown with|exited on|killed by|terminated by) signal (?!(?:2|15)\b)\d+|"
+    r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|returned non-zero exit status|"
+    r"died with (?:exit code|signal)|died, exit code|Out of memory: Killed process|OOMKilled|"
+    r"EngineDeadError|Engine core initialization failed|EngineCore failed to start|Engine process failed to start|"
+    r"Got fatal signal from worker processes|Received sigquit from a child process|ShardCannotStart|Shard \d+ failed to start")
+_ENDED_WORDS = ("ault", "SIG", "core dumped", "Killed", "Bus error", "llegal", "Aborted", "Floating", "Trace/", "signal",
+                "xit", "died", "Out of memory", "OOMKilled", "Engine", "sigquit", "Shard")
 _GAP = 25          # lines between pieces of evidence that belong to one failure
 _MAX_DETAILS = 40
 _MAX_FINDINGS = 60
 
 
 # Every error class needs one of these words: a cheap test before the regexes.
-_ERROR_WORDS = ("CUDA", "cuda", "Assertion", "CUBLAS", "CUDNN", "illegal", "kernel image", "misaligned", "launch failure", "Watchdog",
-                "NCCL", "nccl", "Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Piecewise",
-                "raph failed", "hit an exception", "run_tp_server", "is dead", "unexpectedly", "ninja", "FAILED",
-                "fatal", "ddress already", "EADDRINUSE", "bind", "Out of memory", "oom-kill", "OOMKilled", "sigquit",
-                "to start", "initialization failed", "WorkerProc", "xit", "died with", "alue error",
-                "validation error", ": error: ", "gated repo", "restricted", "Client Error", "Repository Not Found",
-                "couldn't connect", "socket has", "Dist", "Rendezvous", "timed out", "panicked", "Shard", "trying to connect",
-                "MPI", "TE ERROR", "PMIX")
+# Words every line of a class contains (each alternative of its regex needs one of them): a
+# cheap test before that class's regex, which most lines of a long log never reach.
+_CLASS_WORDS = {
+    "cuda": ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal memory", "device-side assert", "kernel image", "misaligned",
+             "launch failure", "Assertion"),
+    "nccl": ("Watchdog", "NCCL", "nccl"),
+    "signal": ("Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Illegal instruction", "Aborted",
+               "Floating point", "Trace/", "illegal hardware"),
+    "mpi": ("TE ERROR", "PMIX", "MPI"),
+    "hint": ("Piecewise",),
+    "sglang": ("raph failed", "RAPH FAILED", "hit an exception", "run_tp_server", "is dead", "unexpectedly"),
+    "build": ("ninja", "Ninja", "FAILED", "fatal", "detected in the compilation", "ptxas", "error: command"),
+    "bind": ("ddress already", "EADDRINUSE", "bind"),
+    "dist": ("socket has", "Dist", "Rendezvous", "TCPStore", "connect()"),
+    "panic": ("panicked",),
+    "oom-kill": ("Out of memory", "oom-kill", "OOMKilled"),
+    "hub": ("gated repo", "You must", "Client Error", "Repository Not Found", "couldn't connect"),
+    "arch": ("compute capability",),
+    "linker": ("undefined symbol",),
+    "limits": ("pthread_create", "new thread", "to create", "Thread creation", "fork:", "open files"),
+    "invalid": ("alue error", "validation error", ": error: "),
+    "exit": ("sigquit", "to start", "initialization failed", "WorkerProc", "xit", "XIT", "died with", "Shard",
+             "trying to connect", "fatal signal", "encountered an issue"),
+    "message": ("Error", "FATAL", "Fatal error", "error: "),
+}
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
 
 
 def classify(text):
     """The error class of a line ("cuda", "nccl", ...), or None."""
-    if not any(w in text for w in _ERROR_WORDS):
-        return None
     for name, rx in _ERROR_CLASSES:
-        if rx.search(text):
+        if any(w in text for w in _CLASS_WORDS[name]) and rx.search(text):
             return name
     return None
 
@@ -127,6 +193,35 @@ def _looks_exception(text):
 
 
 _WRAP_GAP = _re.compile(r"\s{2,}(?=/)")
+_FRAME_START = _re.compile(r'^\s*File "')  # a frame line the excerpt cut short
+_ELIDED = _re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")  # Python 3.13 eliding a statement's middle
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+_CLOSERS = {'"': '"', "'": "'", "`": "`", "“": "”", "‘": "’", "(": ")", "[": "]", "*": "*", "_": "_"}
+
+
+def _unquoted(context, message):
+    """An exception quoted inside a sentence (`it shows - "RuntimeError: ..."`, `**ValueError:
+    ...**`) without the quote or markup that closes it."""
+    opener = ""
+    for c in reversed(context):
+        if c not in _CLOSERS:
+            break
+        opener = c + opener
+    closer = "".join(_CLOSERS[c] for c in reversed(opener))
+    return message[:-len(closer)].rstrip() if closer and message.endswith(closer) else message
+
+
+def _structural(text):
+    """Lines that mean something to a traceback (never another writer's stray line)."""
+    return bool(_TB_START.search(text) or _CAUSE in text or _CONTEXT in text or _USER_CODE.match(text)
+                or _PROCESS_HEADER.match(text) or "terminate called" in text or "Fatal Python error" in text
+                or _THREAD.match(text) or _SUB_EXCEPTION.match(text))
+
+
+def _bracket_depth(text):
+    return sum(1 for c in text if c in _OPEN) - sum(1 for c in text if c in _CLOSE)
 
 
 def _frame(m):
@@ -149,6 +244,38 @@ class _Stream(object):
         return self.lines[i].text
 
     # -- Python tracebacks -------------------------------------------------------------
+    def _foreign(self, j, ref):
+        """Whether line j was written by someone else than the traceback whose frame is line ref:
+        another thread's log record (a header where the traceback has none, or another level)."""
+        ln, r = self.lines[j], self.lines[ref]
+        return (ln.new_record is not None and r.new_record is None) or (ln.level is not None and ln.level != r.level)
+
+    def _skip_foreign(self, j, ref, want):
+        """Past up to 3 lines another writer put inside the traceback, when the line after them
+        is what the traceback goes on with (`want(line index)`); else j."""
+        k = j
+        while k < self.n and k - j < 3 and self.text(k).strip() and not _structural(self.text(k)) \
+                and (self._foreign(k, ref) or not _looks_exception(self.text(k))):
+            k += 1
+        return k if j < k < self.n and want(k) else j
+
+    def _statement(self, j, frame_indent):
+        """Past the rest of a frame's source statement after its first line at j: Python 3.13
+        shows a multi-line call whole, eliding its middle (`...<3 lines>...`), carets under each line."""
+        depth = _bracket_depth(self.text(j))
+        j += 1
+        while j < self.n:
+            t = self.text(j)
+            if _CARETS.match(t) or _ELIDED.match(t):
+                j += 1
+                continue
+            if depth > 0 and t.strip() and _indent(t) > frame_indent and not _FRAME.match(t):
+                depth += _bracket_depth(t)
+                j += 1
+                continue
+            break
+        return j
+
     def frames(self, i):
         """Frames from line i on (with their source lines); returns (frames, next i)."""
         frames = []
@@ -158,18 +285,25 @@ class _Stream(object):
             m = _FRAME.match(t)
             if m:
                 fr = _frame(m)
+                ind = _indent(t)
                 j = i + 1
+                if j < self.n and self._foreign(j, i):
+                    j = self._skip_foreign(j, i, lambda k: _indent(self.text(k)) > ind and not _FRAME.match(self.text(k)))
                 # faulthandler's frames (`line 12 in f`, no comma) never show a source line
                 if j < self.n and (m.group("func") is None or ", in" in t):
                     nt = self.text(j)
                     if (nt.strip() and not _FRAME.match(nt) and not _CARETS.match(nt) and not _TB_START.search(nt)
-                            and _CAUSE not in nt and _CONTEXT not in nt
-                            and (_indent(nt) > _indent(t) or not _looks_exception(nt) or self._frame_at(j + 1))):
+                            and _CAUSE not in nt and _CONTEXT not in nt and not self._foreign(j, i)
+                            and (_indent(nt) > ind or not _looks_exception(nt) or self._frame_at(j + 1))):
                         fr["code"] = nt.strip()
-                        j += 1
+                        j = self._statement(j, ind)
                 while j < self.n and _CARETS.match(self.text(j)):
                     j += 1
                 frames.append(fr)
+                # another writer's lines before the next frame or the exception line
+                if j < self.n and not _FRAME.match(self.text(j)) and self.text(j).strip():
+                    j = self._skip_foreign(j, i, lambda k: bool(_FRAME.match(self.text(k)))
+                                           or (_indent(self.text(k)) <= ind and bool(_looks_exception(self.text(k)))))
                 i = j
                 continue
             if not t.strip():
@@ -327,6 +461,41 @@ class _Stream(object):
                 item["last"] = self.lines[i - 1].no
         return item, i
 
+    # -- IPython / Jupyter ---------------------------------------------------------------
+    def ipython(self, start, header=True):
+        """An IPython traceback from its header (or its first frame, when the excerpt starts
+        there) to its exception line; the arrow lines are the frames' source, never an error."""
+        exc = {"type": None, "message": "", "details": [], "frames": [], "user_frames": [], "skipped_call": None,
+               "context": "", "has_traceback": header, "line": self.lines[start].no,
+               "rank": self.lines[start].rank, "last": self.lines[start].no}
+        i = start + 1 if header else start
+        fr = None
+        while i < self.n:
+            t = self.text(i)
+            s = t.strip()
+            m = _IPY_FRAME.match(t)
+            if m:
+                cell = m.group("p2") or m.group("p3")
+                fr = {"path": "<%s>" % cell if cell else m.group("p1") or m.group("p4"),
+                      "line": int(m.group("l1") or m.group("l2") or 0),
+                      "func": m.group("f1") or m.group("f3") or m.group("f4") or "<cell>", "code": ""}
+                exc["frames"].append(fr)
+            elif _IPY_ARROW.match(t):
+                a = _IPY_ARROW.match(t)
+                if fr is not None and not fr["code"]:
+                    fr["code"] = a.group("code").strip()
+                    fr["line"] = fr["line"] or int(a.group("no"))
+            elif s and _indent(t) == 0 and not s.startswith("-"):
+                if _looks_exception(t) and not _structural(t):
+                    em = _EXC_LINE.match(s)
+                    exc["type"], exc["message"] = em.group("type"), (em.group("msg") or "").strip()
+                    exc["line"] = exc["last"] = self.lines[i].no
+                    i += 1
+                break
+            exc["last"] = self.lines[i].no
+            i += 1
+        return exc, self.details(i, exc)
+
     def _message_above(self, i):
         """The log message a traceback belongs to when the logger put it on the line above the
         header (`logger.exception("Error in inspecting model architecture ...")`, "EngineCore
@@ -358,6 +527,11 @@ class _Stream(object):
             ln = self.lines[i]
             t = ln.text
             tb = _TB_START.search(t) if "Traceback" in t else None
+            if tb and _IPY_HEADER.match(t):
+                exc, i = self.ipython(i)
+                if ln.level not in _QUIET_TRACEBACK:
+                    self.items.append(("exc", exc))
+                continue
             if tb:
                 context = t[:tb.start()]
                 if not context.strip():
@@ -398,6 +572,11 @@ class _Stream(object):
                 i = self.cxx_trace(i, item)
                 self.items.append(("cxx", item))
                 continue
+            if t[:5] in ("File ", "Cell ") and _IPY_FRAME.match(t) and not _FRAME.match(t):
+                exc, i = self.ipython(i, header=False)
+                if exc["type"] or len(exc["frames"]) > 1:
+                    self.items.append(("exc", exc))
+                continue
             if 'File "' in t and _FRAME.match(t):
                 # frames without their header: an excerpt, or dynamo's "from user code:" section
                 before = self._previous_text(i)
@@ -409,15 +588,17 @@ class _Stream(object):
                 if exc["type"] or not _WARNING_STACK.search(before):
                     self.items.append(("exc", exc))
                 continue
-            quiet = ln.level in _QUIET_LEVELS
+            # (an extension that cannot load, logged only as a warning, never heals: evidence)
+            quiet = ln.level in _QUIET_LEVELS and not (ln.level[:4] == "WARN" and "undefined symbol" in t)
             m = None
             if not quiet and ": " in t and any(w in t for w in _EXC_WORDS):
                 m = _EXC_EMBEDDED.search(t)
                 if m is None and "): " in t:
                     m = _EXC_REPR.search(t)
             if m and not _EXC_EMBEDDED.search(t[:m.start()] or "-"):
-                exc = {"type": m.group("type"), "message": m.group("msg").strip(), "details": [], "frames": [],
-                       "user_frames": [], "skipped_call": None, "context": t[:m.start()].strip(), "has_traceback": False,
+                context, message = t[:m.start()].strip(), m.group("msg").strip()
+                exc = {"type": m.group("type"), "message": _unquoted(context, message), "details": [], "frames": [],
+                       "user_frames": [], "skipped_call": None, "context": context, "has_traceback": False,
                        "line": ln.no, "rank": ln.rank, "last": ln.no}
                 i = self.details(i + 1, exc)
                 self.items.append(("exc", exc))
@@ -615,13 +796,19 @@ def summarise(f):
                 root = causes[0]["text"]
         else:
             final = NO_EXCEPTION_LINE
-            context = next((e["context"] for e in f["chain"] if e.get("context")), "")
+            # (a shell prompt before the header, `$ Traceback ...`, says nothing)
+            context = next((e["context"] for e in f["chain"] if _re.search(r"[A-Za-z]{2}", e.get("context") or "")), "")
             root = causes[0]["text"] if causes else (context or final)
     elif f["abort"] or f["fatal"]:
         root = final = _death(f)
-    else:
+    elif f["errors"]:
         causes = causes or f["errors"]
         root, final = causes[0]["text"], f["errors"][-1]["text"]
+    else:
+        # a C++ stack alone (`Exception raised from ...`, `frame #N`): its top is all there is
+        trace = f["cxx"] or {}
+        root = final = "C++ exception raised from " + trace["raised_from"] if trace.get("raised_from") else \
+            "C++ stack, top: " + (trace.get("cxx_frames") or ["?"])[0]
     return root, final
 
 
@@ -637,6 +824,37 @@ def all_frames(f):
         for t in cur:
             frames.extend(t["frames"])
     return frames
+
+
+def _only_reports_a_death(f):
+    """A Python failure whose exceptions only say that another process failed."""
+    if f["kind"] != "python" or f["errors"] or f["abort"] or f["fatal"]:
+        return False
+    said = [describe(e) if e.get("type") else e["context"] for e in f["chain"]]
+    return all(s and _CONSEQUENCE_EXC.search(s) for s in said)
+
+
+def ended_abnormally(lines):
+    """{line, text, how}: the last line saying the process died or exited in failure, else the
+    log's last line when the log stops inside a traceback; None when it shows neither."""
+    found = None
+    for ln in lines:
+        t = ln.text
+        if ln.level in _QUIET_ENDED or not any(w in t for w in _ENDED_WORDS):
+            continue
+        if _ENDED.search(t):
+            found = {"line": ln.no, "text": t.strip()[:300], "how": "died"}
+    tail = [ln for ln in lines[-3:] if ln.text.strip()]
+    if tail:
+        last, before = tail[-1], (tail[-2].text if len(tail) > 1 else "")
+        t = last.text
+        # (a faulthandler dump, `line 24 in get` with no comma, ends with a frame by design)
+        inside = ((_FRAME.match(t) and ", in" in t) or _FRAME_START.match(t) and not _FRAME.match(t)
+                  or _TB_START.search(t) or _CAUSE in t or _CONTEXT in t
+                  or (_FRAME.match(before) and ", in" in before and (_indent(t) > _indent(before) or _CARETS.match(t))))
+        if inside and found is None and last.level not in _QUIET_TRACEBACK:
+            found = {"line": last.no, "text": t.strip()[:300], "how": "mid-traceback"}
+    return found
 
 
 def scan(text):
@@ -677,6 +895,12 @@ def scan(text):
             if last_real is not None:
                 last_real["errors"].extend(f["errors"])
                 f["absorbed"] = True
+        elif last_real is not None and _only_reports_a_death(f):
+            # (kept apart from its evidence: what the front end says is no cause)
+            last_real.setdefault("consequences", []).append(
+                {"line": f["line"], "text": describe(f["chain"][-1]) if f["chain"][-1].get("type")
+                 else f["chain"][-1]["context"]})
+            f["absorbed"] = True
         else:
             last_real = f
     kept = [f for f in failures if not f.get("absorbed")]
@@ -696,4 +920,5 @@ def scan(text):
         f["root_exception"], f["final_exception"] = summarise(f)
         by_sig[sig] = f
         findings.append(f)
-    return {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines)}
+    return {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines),
+            "ended": ended_abnormally(lines)}
