@@ -201,3 +201,10 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     if not p.is_file():
         raise InventoryError(f"{path}: inventory file not found; pass --inventory PATH or set SERVOPS_INVENTORY")
     return parse_inventory(read_text(p, InventoryError), path)
+
+
+def lab_hint(host: Host) -> str:
+    """A host of servops' own lab (group `lab`, on loopback): say how to start it."""
+    if "lab" in host.groups and host.ssh_host.startswith("127."):
+        return f"; is the lab up? invoke lab.up -H {host.name}"
+    return ""

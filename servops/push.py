@@ -7,6 +7,7 @@ import time
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
+from prometheus_client.exposition import basic_auth_handler, default_handler
 
 from .errors import ServopsError
 
@@ -44,8 +45,17 @@ def validate_url(url: str) -> str:
 
 
 def _push(url: str, job: str, registry: CollectorRegistry, grouping: dict) -> None:
+    # urllib would take "user:pass@host" for a host name: the credentials travel as basic auth instead
+    parts = urlsplit(url)
+    target, handler = url, default_handler
+    if parts.username is not None:
+        user, password = parts.username, parts.password or ""
+        target = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+        def handler(url, method, timeout, headers, data):
+            return basic_auth_handler(url, method, timeout, headers, data, user, password)
     try:
-        push_to_gateway(url, job=job, registry=registry, grouping_key=grouping, timeout=10)
+        push_to_gateway(target, job=job, registry=registry, grouping_key=grouping, timeout=10, handler=handler)
     except OSError as exc:
         raise ServopsError(f"push to Pushgateway {shown(url)} failed: {str(exc).replace(url, shown(url))}") from None
 

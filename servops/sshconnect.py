@@ -20,7 +20,7 @@ import paramiko
 from fabric import Connection
 
 from .errors import HostKeyError, InventoryError, TransportError
-from .inventory import Host, Inventory
+from .inventory import Host, Inventory, lab_hint
 
 DEFAULT_CONNECT_TIMEOUT = 10
 
@@ -81,13 +81,6 @@ def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
 
 
 _warned: set[tuple[str, int]] = set()
-
-
-def lab_hint(host: Host) -> str:
-    """A host of servops' own lab (group `lab`, on loopback): say how to start it."""
-    if "lab" in host.groups and host.ssh_host.startswith("127."):
-        return f"; is the lab up? invoke lab.up -H {host.name}"
-    return ""
 
 
 def _refuse_revoked(client, label: str, hostname: str, key, known_hosts: str) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from . import interrupt
 from .errors import InventoryError, TransportError
-from .inventory import Host, Inventory
+from .inventory import Host, Inventory, lab_hint
 from .redact import Redactor
 
 DEFAULT_COMMAND_TIMEOUT = 300
@@ -114,8 +114,10 @@ def check_key_files(host: Host, inventory: Inventory | None) -> None:
             problem = ("does not exist" if not os.path.lexists(key) else "is not a file" if not os.path.isfile(key)
                        else "cannot be read" if not os.access(key, os.R_OK) else "")
             if problem:
+                # a lab host's key is made by lab.up: a missing one means the lab was never started
+                fix = lab_hint(host).lstrip("; ") or "fix ssh_key (or create the key) for this host"
                 raise InventoryError(f"{host.source or '<inventory>'}: host '{host.name}': ssh_key {key} {problem}; "
-                                     f"fix ssh_key (or create the key) for this host")
+                                     f"{fix}")
         jump = host.get("proxy_jump")
         host = inventory.hosts.get(jump) if inventory is not None and jump else None
 

@@ -330,9 +330,9 @@ def server_pid(lab) -> int | None:
         return None
 
 
-def one_line_error(res, *needles: str) -> None:
-    """Bad input: exit 2, one stderr line holding every needle, no traceback."""
-    assert res.returncode == 2, res.stdout + res.stderr
+def one_line_error(res, *needles: str, code: int = 2) -> None:
+    """One stderr line holding every needle, no traceback; exit 2 (bad input) unless told (3: unreachable)."""
+    assert res.returncode == code, res.stdout + res.stderr
     lines = [l for l in res.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1, res.stderr
     assert "Traceback" not in res.stderr

@@ -1,12 +1,15 @@
 """metrics / bench / compare / gate / push against the SGLang double, over real sshd."""
 
+import base64
 import json
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import bcrypt
 import pytest
 
 from servops.bench import load_result
@@ -186,21 +189,33 @@ def test_push_to_a_real_pushgateway(bench_lab, tmp_path):
         pytest.fail("prometheus-pushgateway is not installed: run the README's install command")
     inv, books, env, results = bench_lab
     port = free_port()
-    gw = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+    # the gateway demands basic auth: servops must send the URL's user:password as credentials
+    password = "gw-Secret-42"
+    config = tmp_path / "web.yml"
+    config.write_text("basic_auth_users:\n  ops: " + bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode() + "\n")
+    gw = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={config}"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    auth = {"Authorization": "Basic " + base64.b64encode(f"ops:{password}".encode()).decode()}
+
+    def scrape() -> str:
+        return urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=auth),
+                                      timeout=5).read().decode()
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://ops:{password}@127.0.0.1:{port}"
         for _ in range(100):
             try:
-                urllib.request.urlopen(url + "/metrics", timeout=1)
+                scrape()
                 break
             except OSError:
                 time.sleep(0.1)
-        assert run_invoke("deploy", "--variant", "baseline", "--push", url, inventory=inv, env=env).returncode == 0
+        with pytest.raises(urllib.error.HTTPError):  # the gateway really refuses a push without credentials
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        res = run_invoke("deploy", "--variant", "baseline", "--push", url, inventory=inv, env=env)
+        assert res.returncode == 0 and password not in res.stdout + res.stderr, res.stderr
         res = run_invoke("bench", "--levels", "2", "--requests", "4", "--output-len", "4", "--push", url,
                          inventory=inv, env=env)
-        assert res.returncode == 0, res.stderr
-        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert res.returncode == 0 and password not in res.stdout + res.stderr, res.stderr
+        text = scrape()
         assert 'servops_bench_output_tps{concurrency="2"' in text and 'instance="lab1"' in text
         assert "servops_deploy_timestamp_seconds{" in text and 'outcome="healthy"' in text
     finally:

@@ -57,7 +57,7 @@ def test_bad_inventory_is_one_line_naming_file_and_key(text, message):
 
 def test_unknown_pattern_names_known_ones():
     inv = parse_inventory(INV, "inv.yml")
-    with pytest.raises(InventoryError, match=r"inv.yml: no host or group named 'rack9' \(known: .*rack1"):
+    with pytest.raises(InventoryError, match=r"inv.yml: no host or group named 'rack9'; did you mean rack1\? \(known: .*rack1"):
         inv.select("rack9")
 
 

@@ -106,15 +106,22 @@ def test_render_prints_byte_for_byte_what_deploy_writes(lab, tmp_path):
 
 
 def test_every_verb_takes_H_and_I_with_the_same_help():
+    """One --inventory text; one --hosts text for read-only verbs and one for the verbs that
+    change hosts (issue 19: those require -H), and exactly those verbs say so."""
     names, _ = task_names()
-    texts = {}
+    texts, changing = {}, set()
     for name in names:
         out = run_invoke("--help", name).stdout
         assert "-H STRING, --hosts=STRING" in out and "-I STRING, --inventory=STRING" in out, name
         for flag in ("--hosts", "--inventory"):
             m = re.search(rf"{flag}=STRING\s+(.*?)(?=\n  -|\n\n|\Z)", out, re.S)
-            texts.setdefault(flag, set()).add(" ".join(m.group(1).split()))
-    assert len(texts["--hosts"]) == 1 and len(texts["--inventory"]) == 1, texts
+            text = " ".join(m.group(1).split())
+            texts.setdefault(flag, set()).add(text)
+            if flag == "--hosts" and "required (this verb changes hosts)" in text:
+                changing.add(name)
+    assert len(texts["--hosts"]) == 2 and len(texts["--inventory"]) == 1, texts
+    assert changing == {"deploy", "rollback", "start", "restart", "stop", "patch.apply", "patch.revert", "tune.run",
+                        "run"}, changing
 
 
 def test_float_flags_show_their_type():
@@ -170,8 +177,14 @@ def test_deploy_prints_a_phase_line_per_step_and_a_summary(lab):
         res = run_invoke("deploy", "--variant", "piecewise", inventory=inv)
         assert res.returncode == 0, res.stdout + res.stderr
         phases = re.findall(r"^lab1  \[\s*[\d.]+s\] (\w+)", res.stdout, re.M)
-        assert phases[:3] == ["preflight", "preflight", "lock"] and {"upload", "patches", "stop", "start", "health", "done"} <= set(phases)
-        assert "Deployed " in res.stdout and "stays for `invoke rollback -H lab1`" in res.stdout
+        assert phases[:3] == ["preflight", "preflight", "lock"] and {"upload", "patches", "start", "health", "done"} <= set(phases)
+        assert "stop" not in phases  # nothing ran on that port: no "stopping the server" line (issue 19 #7)
+        res = run_invoke("deploy", "--variant", "baseline", inventory=inv)
+        assert res.returncode == 0, res.stdout + res.stderr
+        phases = re.findall(r"^lab1  \[\s*[\d.]+s\] (\w+)", res.stdout, re.M)
+        assert {"upload", "patches", "stop", "start", "health", "done"} <= set(phases), phases
+        assert re.search(r"^lab1 : changed - deployed \S+-baseline .*invoke rollback goes back to \S+-piecewise$",
+                         res.stdout, re.M), res.stdout
     finally:
         run_invoke("stop", "--grace", "2", inventory=inv)
 

@@ -42,7 +42,7 @@ def test_connect_refused_and_timeout_are_one_line(lab, tmp_path):
         closed = s.getsockname()[1]
     inv = lab.inventory(host_vars={"lab1": {"ssh_port": closed}})
     res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
-    assert res.returncode == 2 and f"cannot connect to 127.0.0.2:{closed}" in res.stderr
+    assert res.returncode == 3 and f"cannot connect to 127.0.0.2:{closed}" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
@@ -51,7 +51,7 @@ def test_wrong_key_is_an_auth_error(lab, tmp_path):
     other = keygen(tmp_path / "other_key")
     inv = lab.inventory(group_vars={"ssh_key": str(other)})
     res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
-    assert res.returncode == 2 and "SSH authentication failed" in res.stderr and "check ssh_user and ssh_key" in res.stderr
+    assert res.returncode == 3 and "SSH authentication failed" in res.stderr and "check ssh_user and ssh_key" in res.stderr
 
 
 def test_secrets_never_reach_the_output(lab):
@@ -70,7 +70,7 @@ def test_an_sshd_that_never_sends_its_banner_is_one_line(lab):
         inv = lab.inventory(host_vars={"lab1": {"ssh_port": silent.getsockname()[1]}},
                             group_vars={"connect_timeout": 1})
         res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
-    one_line_error(res, "lab1", "did not answer within 1s")
+    one_line_error(res, "lab1", "did not answer within 1s", code=3)
 
 
 def test_a_missing_ssh_key_names_the_inventory_host_and_key(lab, tmp_path):

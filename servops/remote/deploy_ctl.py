@@ -938,6 +938,7 @@ def op_prune():
 def op_identity():
     """sha256 of a release's launch files (launch.sh, secrets.env, the server files) and whether
     its server runs and answers: what `deploy` compares to skip a pointless restart."""
+    require_regular(JOURNAL)  # an unchanged deploy writes nothing, but a broken root is still named
     name = ARGS.get("name") or current_name()
     if not name or not os.path.isdir(os.path.join(RELEASES, name)):
         return {"name": None}

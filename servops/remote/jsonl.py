@@ -53,6 +53,18 @@ def open_regular(path, flags, mode=0o600):
     return fd
 
 
+def require_regular(path):
+    """Refuse now, with the line open_regular would give, when something other than a regular
+    file sits at `path` (absent is fine): for a verb that may end before it writes there."""
+    try:
+        st = _os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not _stat.S_ISREG(st.st_mode):
+        raise FileProblem("%s is %s, not a regular file; servops reads and writes only regular files there: "
+                          "remove it" % (path, _kind(st.st_mode)))
+
+
 def read_regular(path, limit=None):
     """The bytes of a regular file (its last `limit` bytes when given); None when absent."""
     try:
