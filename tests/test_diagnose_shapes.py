@@ -254,3 +254,30 @@ def test_a_fallback_entry_must_say_true_or_false(tmp_path):
         assert "'fallback' must be true or false" in str(exc)
     else:
         raise AssertionError("a non-boolean fallback was accepted")
+
+
+# -- seen on the real H200 (gpu-sglang kit): a server that carries on, and servops' own stop -------
+
+def test_an_optional_part_disabled_for_an_exception_is_no_failure_but_a_real_one_is():
+    """sglang 0.5.17 logs "OpenAI Responses API (/v1/responses) disabled: ... init failed
+    (ModuleNotFoundError: ...)" and serves on: no finding. The same exception as a failure is one."""
+    carry_on = [
+        "[2026-12-04 00:49:27] OpenAI Responses API (/v1/responses) disabled: OpenAIServingResponses init failed "
+        "(ModuleNotFoundError: No module named 'openai_harmony')",
+        "[2026-12-04 00:49:27] Grammar backend unavailable, falling back to none (ImportError: cannot import name 'x')",
+        "Skipping custom all-reduce: RuntimeError: peer access is not supported between these GPUs",
+    ]
+    for line in carry_on:
+        assert findings(line + "\n[2026-12-04 00:49:28] The server is fired up and ready to roll!\n") == [], line
+    failing = "[2026-12-04 00:49:27] Scheduler init failed (ModuleNotFoundError: No module named 'openai_harmony')\n"
+    assert [f["root_exception"] for f in findings(failing)] == ["ModuleNotFoundError: No module named 'openai_harmony'"]
+
+
+def test_children_ended_by_a_requested_stop_are_no_crash_but_an_unasked_kill_is():
+    stopped = ("[t] SIGTERM received. signum=None frame=None. Draining requests and shutting down...\n"
+               "[t] Subprocess scheduler_0 (pid=2199) crashed with exit code -15. Triggering SIGQUIT for cleanup...\n")
+    assert findings(stopped) == [] and scan(stopped)["ended"] is None
+    unasked = "[t] Subprocess scheduler_0 (pid=2199) crashed with exit code -15. Triggering SIGQUIT for cleanup...\n"
+    assert findings(unasked) and scan(unasked)["ended"]["how"] == "died"
+    killed = stopped.replace("exit code -15", "exit code -9")  # SIGKILL: not the stop that was asked for
+    assert findings(killed) and scan(killed)["ended"] is not None

@@ -41,6 +41,14 @@ _CXX_FRAME = _re.compile(r"^\s*frame #\d+: (?P<sym>.*?)(?: \+ 0x[0-9a-fA-F]+)?(?
 _FATAL = _re.compile(r"Fatal Python error: (?P<msg>.+)")
 _THREAD = _re.compile(r"^\s*(?P<current>Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
 _WARNING_STACK = _re.compile(r"originates from:\s*$|\bWarning: |^\s*Stack \(most recent call last\):")
+# the words of a server that logs an exception and carries on without an optional part
+# (sglang 0.5.17: "OpenAI Responses API (/v1/responses) disabled: ... init failed (ModuleNotFoundError: ...)")
+_CARRIES_ON = _re.compile(r"(?i)\b(?:disabled|disabling|falling back|fall back|skipp(?:ing|ed)|continuing without|"
+                          r"will not be (?:available|used)|not be available|unavailable)\b")
+# a stop someone asked for (servops' SIGTERM): children then end "with exit code -15", which is no crash
+_STOP_REQUESTED = _re.compile(r"SIGTERM received|Received SIGTERM|received signal 15\b|Received signal SIGTERM", _re.I)
+_TERMINATED = _re.compile(r"exit code -15\b|exit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*(?:-15|143)\b|"
+                          r"signal 15\b|\bSIGTERM\b")
 _FAILURE_WORDS = _re.compile(r"(?i)\b(?:error|exception|fail(?:s|ed|ure)?|fatal|abort(?:ed|ing)?)\b")
 # Python 3.11's ExceptionGroup report numbers its sub-exceptions: `+-+---------------- 1 ----`
 _SUB_EXCEPTION = _re.compile(r"^\s*\+[-+]*-+ (?:\d+|\.\.\.) -+\s*$|^\s*\+-{12,}\s*$")
@@ -239,6 +247,7 @@ class _Stream(object):
         self.n = len(lines)
         self.items = []
         self.gapped = False
+        self.stop_requested = None  # the line number of the last "SIGTERM received"
 
     def text(self, i):
         return self.lines[i].text
@@ -595,6 +604,9 @@ class _Stream(object):
                 m = _EXC_EMBEDDED.search(t)
                 if m is None and "): " in t:
                     m = _EXC_REPR.search(t)
+            if m and _CARRIES_ON.search(t[:m.start()]):
+                i += 1  # logged and handled: the server goes on without that part
+                continue
             if m and not _EXC_EMBEDDED.search(t[:m.start()] or "-"):
                 context, message = t[:m.start()].strip(), m.group("msg").strip()
                 exc = {"type": m.group("type"), "message": _unquoted(context, message), "details": [], "frames": [],
@@ -604,6 +616,12 @@ class _Stream(object):
                 self.items.append(("exc", exc))
                 continue
             cls = classify(t) if s and not quiet else None
+            if "SIG" in t or "ignal" in t:
+                if _STOP_REQUESTED.search(t):
+                    self.stop_requested = ln.no
+                elif cls == "exit" and self.stop_requested is not None and ln.no - self.stop_requested <= 100 \
+                        and _TERMINATED.search(t):
+                    cls = None  # a child ended by the stop that was asked for
             if cls:
                 item = {"kind": "line", "class": cls, "text": s, "line": ln.no, "last": ln.no, "rank": ln.rank}
                 i += 1
@@ -837,11 +855,16 @@ def _only_reports_a_death(f):
 def ended_abnormally(lines):
     """{line, text, how}: the last line saying the process died or exited in failure, else the
     log's last line when the log stops inside a traceback; None when it shows neither."""
-    found = None
+    found, stop_requested = None, None
     for ln in lines:
         t = ln.text
+        if ("SIG" in t or "ignal" in t) and _STOP_REQUESTED.search(t):
+            stop_requested = ln.no
+            continue
         if ln.level in _QUIET_ENDED or not any(w in t for w in _ENDED_WORDS):
             continue
+        if stop_requested is not None and ln.no - stop_requested <= 100 and _TERMINATED.search(t):
+            continue  # ended by the stop that was asked for
         if _ENDED.search(t):
             found = {"line": ln.no, "text": t.strip()[:300], "how": "died"}
     tail = [ln for ln in lines[-3:] if ln.text.strip()]
