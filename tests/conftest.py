@@ -20,6 +20,7 @@ import yaml
 
 from servops.lab import venvs as remote_venv
 from servops.lab.sshd import find_sshd, free_port, keygen, make_server
+from servops.remote.procs import proc_starttime
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -161,8 +162,22 @@ def sshd_hosts(tmp_path_factory, ssh_client_key):
 
 @pytest.fixture
 def lab(tmp_path, sshd_hosts, ssh_client_key, venv):
-    """An inventory built from inventory/lab.yml with this run's ports, keys and paths filled in."""
-    return LabFactory(tmp_path, sshd_hosts, ssh_client_key, venv)
+    """An inventory built from inventory/lab.yml with this run's ports, keys and paths filled in.
+    Afterwards every release guard of its deploy roots still alive is ended: a guard left from a
+    test that killed its controller would otherwise still count as a deploy in its health gate
+    on the shared venv, and a later test's patch change would be refused for it."""
+    yield LabFactory(tmp_path, sshd_hosts, ssh_client_key, venv)
+    end_guards(tmp_path)
+
+
+def end_guards(tmp_path: Path) -> None:
+    for record in tmp_path.glob("deploy-*/releases/*/guard.pid"):
+        try:
+            guard = json.loads(record.read_text())
+            if guard.get("starttime") and proc_starttime(guard["pid"]) == guard["starttime"]:  # not a reused pid
+                os.kill(int(guard["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
 
 
 class LabFactory:
