@@ -42,9 +42,20 @@ def default_url(directory: Path) -> str:
     return f"sqlite:///{(directory / 'study.db').resolve()}"
 
 
-def constraint_values(trial) -> list[float]:
-    """Optuna's constraints_func: each campaign constraint, <= 0 when met (set by tune)."""
-    return list(trial.user_attrs.get("constraints") or [1.0])
+def quiet() -> None:
+    """Optuna's experimental-feature and ask-and-tell heartbeat notes are not the operator's concern."""
+    import warnings
+
+    import optuna
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+def set_constraints(trial, values: list[float]) -> None:
+    """The campaign's constraints as the trial's one Optuna constraint: how many are violated
+    (<= 0: feasible); one key for every trial, pruned ones included."""
+    trial.set_constraint("violated", float(sum(1 for v in values if v > 0)))
 
 
 def reclaim(study, trial) -> None:
@@ -60,6 +71,7 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
     import optuna
 
     optuna.logging.set_verbosity(logging.WARNING)
+    quiet()
     try:
         storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                                              heartbeat_stale_trial_callback=reclaim)
@@ -67,8 +79,9 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
         raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
     if strategy == "tpe":
         startup = max(3, min(10, (n_trials_hint or 30) // 4))
-        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=constraint_values, n_startup_trials=startup,
-                                             multivariate=True, group=True, warn_independent_sampling=False)
+        # the campaign's constraints reach TPE through Trial.set_constraint (tune's _tell), Optuna 5's
+        # replacement for constraints_func
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
     else:
         sampler = optuna.samplers.RandomSampler(seed=seed)
     try:

@@ -667,15 +667,19 @@ class Runner:
         """The trial's outcome, told to the study: a value (with its constraints), PRUNED or FAIL."""
         from optuna.trial import TrialState as OptunaState
 
+        from . import study as studymod
+
         outcome = done.get("outcome")
         ot.set_user_attr("outcome", outcome or "failed")
         if outcome in ("ok", "infeasible") and done.get("objective") is not None:
             lines = done.get("constraints") or []
-            ot.set_user_attr("constraints", [0.0 if line.startswith("pass") else 1.0 for line in lines]
-                             or [0.0 if outcome == "ok" else 1.0])
+            values = [0.0 if line.startswith("pass") else 1.0 for line in lines] or [0.0 if outcome == "ok" else 1.0]
+            ot.set_user_attr("constraints", values)
+            studymod.set_constraints(ot, values)
             self.study.tell(ot, float(done["objective"]))
         elif outcome == "pruned":
             ot.set_user_attr("constraints", [1.0])
+            studymod.set_constraints(ot, [1.0])
             ot.set_user_attr("pruned", done.get("reason") or "")
             self.study.tell(ot, state=OptunaState.PRUNED)
         else:
