@@ -66,6 +66,19 @@ def reclaim(study, trial) -> None:
     study.enqueue_trial(trial.params, user_attrs=dict(attrs, reclaims=trial.number))
 
 
+def make_sampler(strategy: str, seed: int | None, n_trials_hint: int | None = None):
+    """TPE (multivariate, its random start-up a quarter of the budget, 3 to 10 trials) or random.
+    The campaign's constraints reach TPE through Trial.set_constraint (tune's _tell), Optuna 5's
+    replacement for constraints_func."""
+    import optuna
+
+    quiet()
+    if strategy == "tpe":
+        startup = max(3, min(10, (n_trials_hint or 30) // 4))
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
 def open_study(name: str, url: str, strategy: str, direction: str, seed: int | None, n_trials_hint: int | None):
     """(study, storage); a storage that cannot be opened is one StudyError line."""
     import optuna
@@ -77,13 +90,7 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
                                              heartbeat_stale_trial_callback=reclaim)
     except Exception as exc:  # sqlalchemy's errors: a driver, a refused connection, a bad path
         raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
-    if strategy == "tpe":
-        startup = max(3, min(10, (n_trials_hint or 30) // 4))
-        # the campaign's constraints reach TPE through Trial.set_constraint (tune's _tell), Optuna 5's
-        # replacement for constraints_func
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
-    else:
-        sampler = optuna.samplers.RandomSampler(seed=seed)
+    sampler = make_sampler(strategy, seed, n_trials_hint)
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction=direction,
                                     load_if_exists=True)
