@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from pathlib import Path
 
 from .errors import ServopsError
@@ -85,11 +86,20 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
 
     optuna.logging.set_verbosity(logging.WARNING)
     quiet()
-    try:
-        storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                             heartbeat_stale_trial_callback=reclaim)
-    except Exception as exc:  # sqlalchemy's errors: a driver, a refused connection, a bad path
-        raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+    engine_url = url
+    if url.startswith("postgresql://"):  # SQLAlchemy 2.1 defaults to psycopg 3; the dependency is psycopg2
+        engine_url = "postgresql+psycopg2://" + url[len("postgresql://"):]
+    for attempt in range(4):
+        try:
+            storage = optuna.storages.RDBStorage(engine_url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                                 heartbeat_stale_trial_callback=reclaim)
+            break
+        except ImportError as exc:
+            raise StudyError(f"storage {_shown(url)}: {exc}") from None
+        except Exception as exc:  # a refused connection, a bad path -- or two controllers creating the tables at once
+            if attempt == 3:
+                raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+            time.sleep(1 + attempt)
     sampler = make_sampler(strategy, seed, n_trials_hint)
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction=direction,

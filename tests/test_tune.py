@@ -473,3 +473,73 @@ def test_a_sigkilled_search_resumes_from_its_sqlite_study(tune_lab, tmp_path):
                                                                    if t.state == optuna.trial.TrialState.COMPLETE])
     assert [e["outcome"] for e in dones if e["trial"] == "s001"] == ["ok"]  # finished once, counted once
     assert "budget: 4 trials run (max_trials 4)" in res.stdout
+
+
+@pytest.fixture
+def postgres():
+    """A real PostgreSQL server on loopback (Debian's binaries), trust auth, for the test only."""
+    import glob
+    import tempfile
+
+    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+    if not bins:
+        pytest.fail("no PostgreSQL server binaries: run scripts/setup.sh (it installs postgresql)")
+    bin_dir = Path(bins[-1])
+    root = Path(tempfile.mkdtemp(prefix="servops-pg-"))
+    data = root / "data"
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: run the server as Debian's postgres user
+        as_user = ["runuser", "-u", "postgres", "--"]
+        os.chmod(root, 0o755)
+        shutil.chown(root, "postgres", "postgres")
+    port = free_port()
+    subprocess.run(as_user + [str(bin_dir / "initdb"), "-D", str(data), "-U", "servops", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run(as_user + [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60",
+                              "-o", f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={root}",
+                              "start"], check=True, capture_output=True, timeout=120)
+    try:
+        yield f"postgresql://servops@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(as_user + [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_two_controllers_share_one_study_through_a_real_postgresql(lab, tmp_path, postgres):
+    import optuna
+
+    inv = lab.inventory(n_hosts=2, host_vars={"lab1": {"server_port": free_port(), "lease_timeout": 60},
+                                              "lab2": {"server_port": free_port(), "lease_timeout": 60}})
+    books = playbooks_with(tmp_path, tbase=TBASE)
+    (tmp_path / "camps").mkdir()
+    search_campaign(tmp_path, "shared", "tpe", max_trials=5, seed=11)
+    results = tmp_path / "results"
+    env = {"SERVOPS_PLAYBOOKS": str(books), "SERVOPS_RESULTS": str(results),
+           "SERVOPS_CAMPAIGNS": str(tmp_path / "camps")}
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "invoke", "tune", "shared", "-H", h, "--storage", postgres],
+                                  cwd=REPO, env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1",
+                                                     PYTHONUNBUFFERED="1", COLUMNS="200", **env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for h in ("lab1", "lab2")]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out
+    finally:
+        run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name="shared", storage=postgres.replace("postgresql://", "postgresql+psycopg2://"))
+    study = study.get_trials()
+    ran = [t for t in study if not t.user_attrs.get("same_as")]
+    # one study, both controllers' points in it; each host's trials.jsonl holds its own, none twice
+    assert {t.user_attrs["host"] for t in ran} == {"lab1", "lab2"}
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in ran)
+    assert 4 <= len(ran) <= 5  # the budget (each host's base counts on its own host) -- at most one over, as
+    #                            Optuna's MaxTrialsCallback, when both ask at the same moment
+    for host in ("lab1", "lab2"):
+        path = results / host / "campaigns" / "shared" / "trials.jsonl"
+        finished = [e["trial"] for e in map(json.loads, path.read_text().splitlines())
+                    if e.get("phase") == "done" and "trial" in e and e.get("outcome") != "duplicate"]
+        assert sorted(finished) == sorted(["base"] + [t.user_attrs["tid"] for t in ran if t.user_attrs["host"] == host])
+        assert not (path.parent / "study.db").exists()  # the study is the shared one
