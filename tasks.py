@@ -610,6 +610,9 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
             raise ServopsError(f"--storage: campaign {camp.name} is a grid (search: grid); the study's database "
                                "is for search: random or tpe")
         check_url(storage)
+        from servops.study import open_study
+
+        open_study(camp.name, storage, camp.search, camp.objective.sense, camp.seed, camp.max_trials)  # reachable?
     inv, host = select_one(inventory, hosts, "tune")
     if dry_run:
         run = on_hosts(inventory, host.name, lambda hs: (lambda rows: (

@@ -95,6 +95,13 @@ def test_the_cli_refuses_a_bad_search_before_any_connection(tmp_path):
     good = write(tmp_path, "good", search="tpe", candidates=[SPACE])
     res = run_invoke("tune", good, "-H", "gpu1", "--storage", "nosuchdb://x", inventory=inv, timeout=60)
     assert res.returncode == 2 and "--storage 'nosuchdb://x': expected a database URL" in res.stderr
+    from servops.lab.sshd import free_port
+
+    # a database nobody listens on: one line, exit 2, before the (unreachable) host is tried
+    res = run_invoke("tune", good, "-H", "gpu1", "--storage", f"postgresql://servops@127.0.0.1:{free_port()}/x",
+                     inventory=inv, timeout=60)
+    assert res.returncode == 2 and "storage postgresql://servops@127.0.0.1:" in res.stderr, res.stdout + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     grid = write(tmp_path, "grid", candidates=[{"variant": "piecewise"}])
     res = run_invoke("tune", grid, "-H", "gpu1", "--storage", "sqlite:///x.db", inventory=inv, timeout=60)
     assert res.returncode == 2 and "is a grid (search: grid)" in res.stderr
