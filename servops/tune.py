@@ -419,7 +419,8 @@ class Runner:
         done = self.done_entries()
         gain, how = min_gain(self.camp, done)
         later = self.camp.min_gain is None and not any(e.get("trial") == "base" for e in done)
-        self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} trial(s), every launch preflighted "
+        fixed = "fixed " if self.study is not None else ""  # a search's points are preflighted as they are asked
+        self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} {fixed}trial(s), every launch preflighted "
                  f"in {time.monotonic() - t0:.1f}s; {self.camp.objective.sense} {self.camp.objective.written}; "
                  + ("min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"))
 

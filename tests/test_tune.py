@@ -388,8 +388,9 @@ def test_a_tpe_campaign_samples_the_space_and_leaves_the_best(tune_lab, tmp_path
     assert res.returncode == 0, res.stdout + res.stderr
     assert "search tpe (seed 1) over knobs" in res.stdout and "max_trials 4" in res.stdout, res.stdout
     study = study_trials(results, "tpecamp")
-    assert len(study) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in study)
     entries = log_of(results, "tpecamp")
+    assert len(study) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in study), (
+        [(t.number, t.state, t.user_attrs) for t in study], res.stdout)
     finished = done(entries)
     # every study trial is a trial of the log: its value there is the study's, its flags the sampled ones
     for t in study:
