@@ -587,9 +587,11 @@ def lab_down(c, hosts=None, inventory=None):
     "resume": "Continue a campaign that was interrupted: finished trials are not repeated.",
     "restart": "Start over: the campaign's earlier trials.jsonl is moved aside.",
     "verbose": "Also print what each deploy and bench prints (phase lines, the health wait, crash excerpts).",
+    "storage": "search: random/tpe: the Optuna study's database URL (postgresql://user@host/db) to share one "
+               "study between controllers; default: study.db beside the campaign's trials.jsonl.",
 })
 def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=False, hosts=None,  # noqa: D417
-             inventory=None):
+             inventory=None, storage=None):
     """Run a tuning campaign on one host: deploy, bench, diagnose each trial; resumable.
 
     Every trial is journaled here and on the host; a crash whose known issue names a patch is
@@ -601,6 +603,16 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
     camp = load_campaign(campaign)  # one-line errors naming file and key, before any connection
     if resume and restart:
         raise ServopsError("--resume continues a campaign, --restart starts it over: choose one")
+    if storage:
+        from servops.study import check_url
+
+        if camp.search == "grid":
+            raise ServopsError(f"--storage: campaign {camp.name} is a grid (search: grid); the study's database "
+                               "is for search: random or tpe")
+        check_url(storage)
+        from servops.study import open_study
+
+        open_study(camp.name, storage, camp.search, camp.objective.sense, camp.seed, camp.max_trials)  # reachable?
     inv, host = select_one(inventory, hosts, "tune")
     if dry_run:
         run = on_hosts(inventory, host.name, lambda hs: (lambda rows: (
@@ -616,7 +628,7 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
             return OK, f"campaign finished earlier (winner {s['winner'] or 'none'}); deployed now: {s['current']}", s
         return CHANGED, f"winner {s['winner'] or 'none'}, deployed: {s['current']}; log {s['log']}", s
 
-    run = on_hosts(inventory, host.name, lambda hs: finished(tune.run_campaign(hs, camp, resume, verbose)))
+    run = on_hosts(inventory, host.name, lambda hs: finished(tune.run_campaign(hs, camp, resume, verbose, storage)))
     return run.recap
 
 

@@ -12,6 +12,8 @@ for pair in sshd:openssh-server ssh:openssh-client patch:patch ssh-keygen:openss
   cmd=${pair%%:*}; pkg=${pair#*:}
   if ! command -v "$cmd" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$cmd" ]; then need+=("$pkg"); fi
 done
+# postgresql: the tests share a tune study between two controllers through a real server on loopback.
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq

@@ -38,6 +38,7 @@ from . import gate as gatemod
 from .bench import DATASETS, MAX_CONCURRENCY, MAX_REPEAT, MAX_REQUESTS, MAX_TOKENS, parse_slo
 from .errors import ServopsError, did_you_mean
 from .playbooks import load_variant
+from . import search
 from .schema import ENV_NAME, FLAG, NAME, Field, load_mapping, parse_duration, seconds
 
 CAMPAIGN_ROOT = Path(os.environ.get("SERVOPS_CAMPAIGNS") or Path(__file__).resolve().parent.parent / "campaigns")
@@ -75,7 +76,7 @@ def _gain_ok(value: Any) -> str | None:
 
 
 _SCALAR_OR_LIST = Field("any", nullable=True)
-_GRID_VALUES = Field("list", items=Field("any", nullable=True))
+_GRID_VALUES = Field("any", check=search.axis_problem)  # a value list, or a range (servops/search.py)
 CANDIDATE = {
     "name": Field("str", pattern=NAME, what="a name (letters, digits, '.', '_' or '-')"),
     "variant": Field("str", pattern=NAME, what="a variant name"),
@@ -97,6 +98,9 @@ BENCH = {  # the same bounds as bench's flags
 }
 CAMPAIGN = {
     "description": Field("any", nullable=True),
+    "search": Field("str", check=lambda v: None if v in search.SEARCHES else
+                    f"expected grid, random or tpe{did_you_mean(v, search.SEARCHES)}"),
+    "seed": Field("int", 0, 2**32 - 1),
     "base": Field("str", pattern=NAME, what="a variant name"),
     "overrides": Field("record", fields={k: CANDIDATE[k] for k in ("server_args", "env", "patches")}),
     "candidates": Field("list", items=Field("record", fields=CANDIDATE)),
@@ -161,6 +165,9 @@ class Campaign:
     auto_patch: bool
     leave: str
     drift_after_s: float | None
+    search: str = "grid"
+    seed: int | None = None
+    spaces: list = field(default_factory=list)    # search.Space per grid candidate (random / tpe)
 
 
 def _fail(path: Path, key: str, message: str) -> CampaignError:
@@ -233,8 +240,20 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "x"
 
 
-def expand(path: Path, name: str, data: dict) -> list[Trial]:
-    """Trial 'base' first, then every candidate (each grid point its own trial)."""
+def point_trial(camp_name: str, space: "search.Space", point: dict, tid: str, label: str) -> Trial:
+    """A sampled point of a space as a trial, layered like a grid point."""
+    overrides = {"server_args": dict(space.fixed.get("server_args") or {}), "env": dict(space.fixed.get("env") or {}),
+                 "patches": list(space.fixed.get("patches") or [])}
+    for (section, key), value in point.items():
+        overrides[section][key] = value
+    overrides["source"] = space.source
+    return Trial(tid, label, _layer(space.variant, overrides, f"{camp_name}-{tid}", f"campaigns/{camp_name}.yml trial {tid}"),
+                 overrides)
+
+
+def expand(path: Path, name: str, data: dict, spaces: list | None = None) -> list[Trial]:
+    """Trial 'base' first, then every candidate (each grid point its own trial). With `spaces`
+    (search: random / tpe) a grid candidate becomes a search.Space appended there instead."""
     from .patchstore import find_patch
 
     common = data.get("overrides") or {}
@@ -251,9 +270,22 @@ def expand(path: Path, name: str, data: dict) -> list[Trial]:
             find_patch(p)
         grid = cand.get("grid") or {}
         axes = [(section, key, values) for section in ("server_args", "env") for key, values in (grid.get(section) or {}).items()]
+        if spaces is not None and axes:
+            label0 = _slug(cand.get("name") or f"c{i + 1}")
+            if label0 in {s.name for s in spaces}:
+                raise _fail(path, f"{where}.name", f"{label0!r} names two candidates")
+            spaces.append(search.Space(label0, src_name, src, {k: cand.get(k) for k in ("server_args", "env", "patches")},
+                                       [search.parse_axis(s_, k_, v_) for s_, k_, v_ in axes]))
+            continue
+        parsed = []
         for section, key, values in axes:
-            if not values:
-                raise _fail(path, f"{where}.grid.{section}.{key}", "give at least one value")
+            axis = search.parse_axis(section, key, values)
+            vals = axis.values()
+            if vals is None:
+                raise _fail(path, f"{where}.grid.{section}.{key}", "a range needs a step under search: grid (or "
+                            "use search: random / tpe to sample it)")
+            parsed.append((section, key, vals))
+        axes = parsed
         points = 1
         for _section, _key, values in axes:
             points *= len(values)
@@ -333,16 +365,27 @@ def load_campaign(name_or_path: str) -> Campaign:
     name = path.stem
     if not NAME.fullmatch(name):
         raise CampaignError(f"{path}: the file name must be letters, digits, '.', '_' or '-'")
+    strategy = data.get("search", "grid")
+    spaces: list | None = None if strategy == "grid" else []
+    if "seed" in data and strategy == "grid":
+        raise _fail(path, "seed", "only search: random or tpe samples; a grid runs every point in order")
     try:
-        trials = expand(path, name, data)
+        trials = expand(path, name, data, spaces)
     except ServopsError as exc:
         text = str(exc)
         raise CampaignError(text if text.startswith(f"{path}: ") else f"{path}: {text}") from None
     budget = data.get("budget") or {}
+    if spaces is not None:
+        if not spaces:
+            raise _fail(path, "search", f"search: {strategy} samples the candidates' grid: spaces, and none has one")
+        if not budget.get("max_trials") and not budget.get("max_wall_time"):
+            raise _fail(path, "budget", f"search: {strategy} runs until its budget: give budget.max_trials "
+                        "(or max_wall_time)")
     return Campaign(name=name, path=path, data=data, base=data["base"], trials=trials, bench=bench,
                     objective=objective, constraints=constraints,
                     min_gain=parse_gain(data["objective"]["min_gain"]) if "min_gain" in data["objective"] else None,
                     max_trials=budget.get("max_trials"),
                     max_wall_s=seconds(budget["max_wall_time"]) if budget.get("max_wall_time") else None,
                     auto_patch=bool(data.get("auto_patch", False)), leave=data.get("leave", "best"),
-                    drift_after_s=seconds(data["drift_check_after"]) if data.get("drift_check_after") else None)
+                    drift_after_s=seconds(data["drift_check_after"]) if data.get("drift_check_after") else None,
+                    search=strategy, seed=data.get("seed"), spaces=spaces or [])

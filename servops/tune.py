@@ -62,7 +62,7 @@ def log_path(host: str, name: str) -> Path:
 # damaged, planted) is skipped and named, not a KeyError in the middle of --resume.
 _TEXT = ("trial", "label", "outcome", "reason", "release", "result_path", "same_as", "identity", "retry_patch",
          "script", "campaign")
-_NUMBERS = ("seconds", "deploy_s", "bench_s", "before", "after", "drift_pct")
+_NUMBERS = ("seconds", "deploy_s", "bench_s", "before", "after", "drift_pct", "pruned_at", "study_trial")
 _LISTS = ("violations", "constraints", "findings", "objective_ci")
 
 
@@ -350,8 +350,9 @@ def bench_kwargs(camp: Campaign) -> dict:
 
 
 class Runner:
-    def __init__(self, hs: HostSession, camp: Campaign, resume: bool, verbose: bool = False):
-        self.hs, self.camp, self.verbose = hs, camp, verbose
+    def __init__(self, hs: HostSession, camp: Campaign, resume: bool, verbose: bool = False,
+                 storage: str | None = None):
+        self.hs, self.camp, self.verbose, self.resume = hs, camp, verbose, resume
         self.path = log_path(hs.host.name, camp.name)
         problems: list[str] = []
         prior = read_log(self.path, problems)
@@ -373,7 +374,41 @@ class Runner:
         self.identities: dict[str, str] = {}
         self.scripts: dict[str, str] = {}
         self.id_width = min(max(len(t.id) for t in self.trials), 28)  # one column for the phase lines
+        self.study = self.storage = None
+        self.search_trials: list[Trial] = []   # the study's points this host ran (search: random / tpe)
+        if camp.search != "grid":
+            from . import study as studymod
 
+            localfiles.private_dir(self.path.parent)
+            self.storage_url = storage or studymod.default_url(self.path.parent)
+            self.study, self.storage = studymod.open_study(camp.name, self.storage_url, camp.search,
+                                                           camp.objective.sense, camp.seed, camp.max_trials)
+            self.id_width = max(self.id_width, 12)
+            self._rebuild_search_trials()
+
+    @property
+    def total(self) -> int | str:
+        """The counter's denominator: the trials of a grid, the budget of a search."""
+        if self.study is None:
+            return len(self.trials)
+        return self.camp.max_trials or "?"
+
+    def _rebuild_search_trials(self) -> None:
+        """--resume: the points this host ran before, as trials (the winner may be one of them)."""
+        from optuna.trial import TrialState
+
+        from . import search as searchmod
+        from .campaign import point_trial
+
+        for ft in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+            tid = ft.user_attrs.get("tid")
+            if ft.user_attrs.get("host") != self.hs.host.name or not tid or not ft.params:
+                continue
+            got = searchmod.point_of(self.camp.spaces, ft.params)
+            if got and not any(x.id == tid for x in self.search_trials):
+                t = point_trial(self.camp.name, got[0], got[1], tid, ft.user_attrs.get("label") or tid)
+                self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
+                self.search_trials.append(t)
     # -- up front: every candidate passes the launch preflight before the first restart --------
 
     def preflight_all(self) -> None:
@@ -384,7 +419,8 @@ class Runner:
         done = self.done_entries()
         gain, how = min_gain(self.camp, done)
         later = self.camp.min_gain is None and not any(e.get("trial") == "base" for e in done)
-        self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} trial(s), every launch preflighted "
+        fixed = "fixed " if self.study is not None else ""  # a search's points are preflighted as they are asked
+        self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} {fixed}trial(s), every launch preflighted "
                  f"in {time.monotonic() - t0:.1f}s; {self.camp.objective.sense} {self.camp.objective.written}; "
                  + ("min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"))
 
@@ -418,7 +454,7 @@ class Runner:
 
     def phase(self, t: Trial | None, k: int, name: str, text: str) -> None:
         """`[2/7] grid-8   deploy   healthy in 4.5s (...)`; campaign-wide phases leave the trial out."""
-        counter = f"[{k}/{len(self.trials)}]" if t else ""
+        counter = f"[{k}/{self.total}]" if t else ""
         self.say(f"{counter:<7} {t.id if t else '':<{self.id_width}} {name:<8} {text}")
 
     def remaining(self, k: int, executed: int) -> int:
@@ -471,7 +507,10 @@ class Runner:
                                 "objective": self.camp.objective.written})
             self.pin(releases.ctl(self.hs, "status").get("current"), "current when it started")
         self.preflight_all()
-        executed = sum(1 for s in self.states.values() if s.done and s.done.get("outcome") != "duplicate")
+        fixed = {t.id for t in self.trials}
+        executed = sum(1 for s in self.states.values() if s.done and s.done.get("outcome") != "duplicate"
+                       and (self.study is None or s.id in fixed or "-with-" in s.id and s.id.split("-with-")[0] in fixed))
+        stopped = False
         i = 0
         while i < len(self.trials):
             t = self.trials[i]
@@ -482,9 +521,11 @@ class Runner:
                 continue
             if self.camp.max_trials is not None and executed >= self.camp.max_trials:
                 self.say(f"tune: budget: {executed} trials run (max_trials {self.camp.max_trials}); stopping")
+                stopped = True
                 break
             if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
                 self.say(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping")
+                stopped = True
                 break
             twin = self._finished_twin(t)
             if twin:
@@ -507,6 +548,8 @@ class Runner:
             if interrupt.requested():
                 raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
                                 f"-H {self.hs.host.name} --resume")
+        if self.study is not None and not stopped:
+            self._search(executed)
         return self.finish()
 
     def _finished_twin(self, t: Trial) -> str | None:
@@ -517,20 +560,186 @@ class Runner:
                 return other_id
         return None
 
-    def _maybe_queue_retry(self, t: Trial, done: dict) -> None:
-        """auto_patch: a crash whose known issue names a patch the trial lacks -> one retry with it."""
+    def _retry_trial(self, t: Trial, done: dict) -> Trial | None:
+        """auto_patch: a crash whose known issue names a patch the trial lacks -> its retry with it."""
         patch = done.get("retry_patch")
         if not (self.camp.auto_patch and patch and not t.retry_of):
-            return
+            return None
         rid = f"{t.id}-with-{patch}"
-        if any(x.id == rid for x in self.trials):
+        return Trial(rid, f"{t.label} + patch {patch}",
+                     _layer(t.variant, {"patches": [patch]}, f"{self.camp.name}-{rid}",
+                            f"campaigns/{self.camp.name}.yml trial {rid}"),
+                     dict(t.overrides, patches=list(t.overrides.get("patches") or []) + [patch]), retry_of=t.id)
+
+    def _maybe_queue_retry(self, t: Trial, done: dict) -> None:
+        """auto_patch: a crash whose known issue names a patch the trial lacks -> one retry with it."""
+        retry = self._retry_trial(t, done)
+        if retry is None or any(x.id == retry.id for x in self.trials):
             return
-        retry = Trial(rid, f"{t.label} + patch {patch}",
-                      _layer(t.variant, {"patches": [patch]}, f"{self.camp.name}-{rid}",
-                             f"campaigns/{self.camp.name}.yml trial {rid}"),
-                      dict(t.overrides, patches=list(t.overrides.get("patches") or []) + [patch]), retry_of=t.id)
         self._check(retry)
         self.trials.insert(self.trials.index(t) + 1, retry)
+
+    # -- search: random / tpe, through the Optuna study ---------------------------------------------
+
+    def _search(self, executed: int) -> None:
+        """Ask the study for points until the budget is spent: each one deployed, benched (pruned
+        at a failing level) and told back. A crash that survives auto_patch is a FAIL, never a value."""
+        from . import search as searchmod
+        from . import study as studymod
+        from .campaign import point_trial
+
+        if self.resume:
+            for n in studymod.reclaim_own(self.study, self.storage, self.hs.host.name):
+                self.say(f"tune: study trial #{n} was cut off mid-trial (its controller stopped): marked failed, "
+                         "its point asked again")
+        self.say(f"tune: search {self.camp.search} (seed {self.camp.seed if self.camp.seed is not None else 'none'}) "
+                 f"over {', '.join(s.name for s in self.camp.spaces)}; study {self.camp.name} in "
+                 f"{studymod._shown(self.storage_url)}")
+        dupes = 0
+        while True:
+            used = executed + studymod.counted(self.study)
+            if self.camp.max_trials is not None and used >= self.camp.max_trials:
+                self.say(f"tune: budget: {used} trials run (max_trials {self.camp.max_trials}); stopping")
+                return
+            if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
+                self.say(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping")
+                return
+            ot = self.study.ask()
+            space, point = searchmod.suggest(self.camp.spaces, ot)
+            tid = ot.user_attrs.get("tid") or f"s{ot.number:03d}"
+            label = searchmod.point_label(space, point)
+            for key, value in (("tid", tid), ("host", self.hs.host.name), ("label", label)):
+                ot.set_user_attr(key, value)
+            t = point_trial(self.camp.name, space, point, tid, label)
+            self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
+            k = used + 1
+            try:
+                self._check(t)
+            except TuneError as exc:
+                done = self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "refused",
+                                           "reason": str(exc), "study_trial": ot.number})
+                self._tell(ot, done)
+                self.phase(t, k, "done", f"refused by the launch preflight: {exc}")
+                continue
+            twin = self._finished_twin(t)
+            if twin:
+                dupes += 1
+                ot.set_user_attr("same_as", twin)
+                self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "duplicate",
+                                    "same_as": twin, "identity": self.identities.get(tid), "study_trial": ot.number})
+                self._tell(ot, self._done_of(twin) or {})
+                self.phase(t, k, "done", f"same launch script and patches as {twin}: not run again")
+                if dupes >= 20:
+                    self.say("tune: the sampler asked 20 points in a row that had run already: the space is "
+                             "exhausted; stopping")
+                    return
+                continue
+            dupes = 0
+            self.search_trials.append(t)
+            from optuna.storages._heartbeat import get_heartbeat_thread
+
+            with get_heartbeat_thread(ot._trial_id, self.storage):
+                done = self.run_trial(t, k, self.states.get(tid), prune=True)
+                self.states[tid] = TrialState(tid, [done])
+                retry = self._retry_trial(t, done)
+                if retry is not None:
+                    self.phase(t, k, "done", self.done_text(done, {}))
+                    self._check(retry)
+                    self.search_trials.append(retry)
+                    done = self.run_trial(retry, k, self.states.get(retry.id), prune=True)
+                    self.states[retry.id] = TrialState(retry.id, [done])
+                    t = retry
+            self._tell(ot, done)
+            self.ran_now += 1
+            self.clock.trial_done(done.get("seconds") or 0.0)
+            self.pin_best()
+            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            left = None if self.camp.max_trials is None else max(0, self.camp.max_trials - k)
+            self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
+                                     + (self.clock.eta(left) if left is not None else "until max_wall_time"))
+            if interrupt.requested():
+                raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
+                                f"-H {self.hs.host.name} --resume")
+
+    def _done_of(self, tid: str) -> dict | None:
+        return next((e for e in self.done_entries() if e["trial"] == tid), None)
+
+    def _tell(self, ot, done: dict) -> None:
+        """The trial's outcome, told to the study: a value (with its constraints), PRUNED or FAIL."""
+        from optuna.trial import TrialState as OptunaState
+
+        from . import study as studymod
+
+        outcome = done.get("outcome")
+        ot.set_user_attr("outcome", outcome or "failed")
+        if outcome in ("ok", "infeasible") and done.get("objective") is not None:
+            lines = done.get("constraints") or []
+            values = [0.0 if line.startswith("pass") else 1.0 for line in lines] or [0.0 if outcome == "ok" else 1.0]
+            ot.set_user_attr("constraints", values)
+            studymod.set_constraints(ot, values)
+            self.study.tell(ot, float(done["objective"]))
+        elif outcome == "pruned":
+            ot.set_user_attr("constraints", [1.0])
+            studymod.set_constraints(ot, [1.0])
+            ot.set_user_attr("pruned", done.get("reason") or "")
+            self.study.tell(ot, state=OptunaState.PRUNED)
+        else:
+            ot.set_user_attr("reason", str(done.get("reason") or outcome or "no result")[:500])
+            self.study.tell(ot, state=OptunaState.FAIL)
+
+    def _bench_staged(self, t: Trial, k: int) -> tuple[dict | None, str | None, float, dict | None]:
+        """The bench in the order that fails fastest (search.bench_order): a constraint violated at
+        a level below the objective's stops the trial there. (result, why it failed, seconds,
+        None or {level, violations, reason} when pruned)."""
+        from . import search as searchmod
+        from .gate import verdicts, violation
+
+        runs = searchmod.bench_order(self.camp.bench["levels"], self.camp.constraints, self.camp.objective.level)
+        if len(runs) <= 1:
+            return (*self._bench(t, k), None)
+        b0, parts = time.monotonic(), []
+        for levels in runs:
+            with held_back(self.verbose, f"[{k}/{self.total}] {t.id}: benching at {', '.join(map(str, levels))}"):
+                try:
+                    parts.append(bench.run_bench(self.hs, levels, **self.kwargs))
+                except ServopsError as exc:
+                    seconds = time.monotonic() - b0
+                    self.phase(t, k, "bench", f"failed after {seconds:.1f}s: {exc}")
+                    return None, str(exc), seconds, None
+            if len(levels) == 1 and levels[0] < self.camp.objective.level:
+                vs = verdicts(searchmod.level_conditions(self.camp.constraints, levels[0]), parts[-1], lambda _n: None)
+                bad = [violation(v) for v in vs if not v.ok]
+                if bad:
+                    seconds = time.monotonic() - b0
+                    reason = (f"{'; '.join(bad)} at concurrency {levels[0]}, below the objective's "
+                              f"{self.camp.objective.level}: higher load can only make it worse")
+                    self.phase(t, k, "prune", f"{reason}; trial stopped after {seconds:.1f}s")
+                    return self._merge(parts), None, seconds, {"level": levels[0], "violations": bad, "reason": reason}
+        seconds = time.monotonic() - b0
+        result = self._merge(parts)
+        self.phase(t, k, "bench", self._bench_text(result, None, seconds))
+        return result, None, seconds, None
+
+    def _merge(self, parts: list[dict]) -> dict:
+        """The staged benches' results as one result file (the parts removed)."""
+        import os
+
+        if len(parts) == 1:
+            return parts[0]
+        levels = [lv for p in parts for lv in (p.get("config") or {}).get("levels") or []]
+        path = bench.new_result_path(self.hs.host.name, parts[0]["path"] and Path(parts[0]["path"]).parent.name)
+        lines = []
+        for p in parts:
+            for raw in Path(p["path"]).read_text().splitlines():
+                if raw.strip():
+                    line = json.loads(raw)
+                    ((line.setdefault("servops", {})).setdefault("config", {}))["levels"] = levels
+                    lines.append(json.dumps(line) + "\n")
+        localfiles.append_text(path, "".join(lines))
+        for p in parts:
+            os.unlink(p["path"])
+        merged = bench.load_result(path)
+        return merged if merged is not None else parts[-1]
 
     def _deploy(self, t: Trial, k: int, base: dict, state: TrialState | None) -> tuple[dict, float]:
         """The trial's release, deployed (or found still healthy from before an interruption)."""
@@ -548,7 +757,7 @@ class Runner:
                                 script=self.hs.redactor(self.scripts.get(t.id, ""))))
         record: dict = {}
         d0 = time.monotonic()
-        with held_back(self.verbose, f"[{k}/{len(self.trials)}] {t.id}: deploying"):
+        with held_back(self.verbose, f"[{k}/{self.total}] {t.id}: deploying"):
             try:
                 deploy_group([self.hs], t.variant, record=record)
             except ServopsError as exc:
@@ -568,7 +777,7 @@ class Runner:
         """(result, why it failed, seconds) of one bench of the current release; its phase line
         under `label` (None: the caller prints its own)."""
         b0 = time.monotonic()
-        with held_back(self.verbose, f"[{k}/{len(self.trials)}] {t.id}: benching at "
+        with held_back(self.verbose, f"[{k}/{self.total}] {t.id}: benching at "
                                      f"{', '.join(map(str, self.camp.bench['levels']))}"):
             try:
                 result, why = bench.run_bench(self.hs, self.camp.bench["levels"], **self.kwargs), None
@@ -611,15 +820,25 @@ class Runner:
         return {"band": band, "values": [value, second], "result_path": again["path"],
                 "how": f"two runs of the base: {num(value)} and {num(second)}, {band * 100:.1f}% apart"}
 
-    def run_trial(self, t: Trial, k: int, state: TrialState | None) -> dict:
+    def run_trial(self, t: Trial, k: int, state: TrialState | None, prune: bool = False) -> dict:
         t0 = time.monotonic()
         base = {"trial": t.id, "label": t.label, "identity": self.identities.get(t.id)}
         record, deploy_s = self._deploy(t, k, base, state)
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
         if record.get("state") == "healthy":
-            result, why, bench_s = self._bench(t, k)
+            pruned = None
+            if prune:
+                result, why, bench_s, pruned = self._bench_staged(t, k)
+            else:
+                result, why, bench_s = self._bench(t, k)
             if result is None:
                 done.update(outcome="bench-failed", reason=why)
+            elif pruned:
+                done.update(outcome="pruned", result_path=result["path"], metrics=key_metrics(result),
+                            bench_s=round(bench_s, 2), violations=pruned["violations"], pruned_at=pruned["level"],
+                            reason=pruned["reason"], objective=None)
+                self.journal.write(dict(base, phase="benched", release=record.get("release"),
+                                        result_path=result["path"], bench_s=round(bench_s, 2)))
             else:
                 ev = evaluate(self.camp, result, self._base_result())
                 done.update(outcome="ok" if ev["feasible"] else "infeasible", result_path=result["path"],
@@ -721,7 +940,7 @@ class Runner:
 
     def _leave(self, winner: dict | None) -> None:
         want = "base" if self.camp.leave == "base" or winner is None else winner["trial"]
-        trial = next((t for t in self.trials if t.id == want), self.camp.trials[0])
+        trial = next((t for t in self.trials + self.search_trials if t.id == want), self.camp.trials[0])
         status = releases.ctl(self.hs, "status")
         rel = status.get("release") or {}
         if rel.get("variant") == trial.variant["name"] and status.get("healthy"):
@@ -760,8 +979,9 @@ class Runner:
         return done["release"]
 
 
-def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False, verbose: bool = False) -> dict:
-    return Runner(hs, camp, resume, verbose).run()
+def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False, verbose: bool = False,
+                 storage: str | None = None) -> dict:
+    return Runner(hs, camp, resume, verbose, storage).run()
 
 
 def plan_campaign(hs: HostSession, camp: Campaign) -> list[dict]:
@@ -788,4 +1008,7 @@ def archive_log(host: str, name: str) -> Path | None:
     head = Path(jsonl.head_path(str(path)))
     if head.exists():  # the chain's head goes with its log: the new one starts at entry 1
         head.rename(jsonl.head_path(str(moved)))
+    study = path.with_name("study.db")
+    if study.exists():  # the default study goes with it (a --storage study is the team's: kept)
+        study.rename(moved.with_suffix(".study.db"))
     return moved

@@ -126,6 +126,8 @@ def _verdict(row: dict, verdicts: dict[str, str], winner: dict | None) -> str:
         return "infeasible"
     if outcome == "duplicate":
         return f"duplicate of {row.get('same_as')}: not run again"
+    if outcome == "pruned":
+        return f"pruned: {row.get('reason') or ''}"[:200]
     known = next((f["entry"] for f in row["findings"] if f.get("entry")), None)
     if known:
         return f"{outcome}: {known}"
@@ -140,7 +142,7 @@ def metric_columns(camp: Campaign) -> list[tuple[str, str]]:
 def constraints_met(row: dict) -> str:
     if row["outcome"] == "ok":
         return "met"
-    if row["outcome"] == "infeasible":
+    if row["outcome"] in ("infeasible", "pruned"):
         return "; ".join(row["violations"])
     return "-"
 
@@ -386,6 +388,8 @@ def _outcome(r: dict) -> str:
         return "violates " + "; ".join(r["violations"])
     if r["outcome"] == "duplicate":
         return f"duplicate of {r.get('same_as')}"
+    if r["outcome"] == "pruned":
+        return "pruned: violates " + "; ".join(r["violations"])
     return r["outcome"] or "-"
 
 

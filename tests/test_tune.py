@@ -337,3 +337,212 @@ def test_a_difference_within_min_gain_is_a_tie_the_incumbent_keeps(tmp_path):
     from servops.campaign import CampaignError
     with pytest.raises(CampaignError, match="objective.min_gain: expected a share like 2%"):
         load_campaign(str(path))
+
+
+# -- search: random / tpe over the Optuna study (servops/search.py, servops/study.py) -------------
+
+SEARCH_CAMPAIGN = """description: a sampled campaign over the double's speed knobs
+base: tbase
+search: {search}
+seed: {seed}
+candidates:
+  - name: knobs
+    grid:
+      server_args:
+        cuda-graph-max-bs: {{low: 4, high: 32, log: true}}
+        max-running-requests: [4, 16]
+      env: {env}
+bench: {{levels: [1, 16], requests: 16, input_len: 16, output_len: 12, warmup: 1}}
+objective:
+  maximize: output_tps@16
+  constraints: ["p99_ttft_ms@1 <= 300", "failed == 0"]
+budget: {{max_trials: {max_trials}}}
+leave: best
+"""
+
+
+def search_campaign(tmp_path, name: str, search: str, max_trials: int, seed: int = 1, env: str = "{}") -> None:
+    (tmp_path / "camps" / f"{name}.yml").write_text(SEARCH_CAMPAIGN.format(search=search, seed=seed, env=env,
+                                                                           max_trials=max_trials))
+
+
+def log_of(results: Path, name: str) -> list[dict]:
+    path = results / "lab1" / "campaigns" / name / "trials.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def study_trials(results: Path, name: str):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{results / 'lab1' / 'campaigns' / name / 'study.db'}"
+    return optuna.load_study(study_name=name, storage=url).get_trials()
+
+
+def test_a_tpe_campaign_samples_the_space_and_leaves_the_best(tune_lab, tmp_path):
+    import optuna
+
+    lab, inv, env, results = tune_lab
+    search_campaign(tmp_path, "tpecamp", "tpe", max_trials=4)
+    res = run_invoke("tune", "tpecamp", "-H", "lab1", inventory=inv, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "search tpe (seed 1) over knobs" in res.stdout and "max_trials 4" in res.stdout, res.stdout
+    study = study_trials(results, "tpecamp")
+    entries = log_of(results, "tpecamp")
+    assert len(study) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in study), (
+        [(t.number, t.state, t.user_attrs) for t in study], res.stdout)
+    finished = done(entries)
+    # every study trial is a trial of the log: its value there is the study's, its flags the sampled ones
+    for t in study:
+        d = finished[t.user_attrs["tid"]]
+        assert d["outcome"] == "ok" and d["objective"] == pytest.approx(t.value)
+        start = next(e for e in entries if e.get("trial") == d["trial"] and e["phase"] == "start")
+        assert start["spec"]["server_args"]["cuda-graph-max-bs"] == t.params["server_args.cuda-graph-max-bs"]
+        assert 4 <= t.params["server_args.cuda-graph-max-bs"] <= 32
+    # the winner (ties within min_gain keep the incumbent) is left deployed, and nothing beats it clearly
+    winner = re.search(r"winner (\S+), deployed", res.stdout)[1]
+    assert current_variant(lab) == f"tpecamp-{winner}" or winner == "base"
+    assert max(e.get("objective") or 0 for e in finished.values()) <= finished[winner]["objective"] * 1.05
+    res = run_invoke("tune.report", "tpecamp", "-H", "lab1", inventory=inv, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    md = (results / "lab1" / "campaigns" / "tpecamp" / "report.md").read_text()
+    for t in study:
+        assert t.user_attrs["tid"] in md
+
+
+def test_a_random_campaign_prunes_a_trial_at_its_failing_level(tune_lab, tmp_path):
+    import optuna
+
+    lab, inv, env, results = tune_lab
+    # every sampled point has a 400 ms prefill: p99 TTFT at concurrency 1 is over its 300 ms bound,
+    # so the trial stops there, before the (slower) level 16 is benched
+    search_campaign(tmp_path, "randcamp", "random", max_trials=3, seed=5, env="{SGLANG_DOUBLE_TTFT: ['0.4']}")
+    res = run_invoke("tune", "randcamp", "-H", "lab1", inventory=inv, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    study = study_trials(results, "randcamp")
+    ran = [t for t in study if not t.user_attrs.get("same_as")]
+    assert len(ran) == 2 and all(t.state == optuna.trial.TrialState.PRUNED for t in ran)
+    finished = done(log_of(results, "randcamp"))
+    for t in ran:
+        d = finished[t.user_attrs["tid"]]
+        assert d["outcome"] == "pruned" and d["pruned_at"] == 1 and d.get("objective") is None
+        assert re.match(r"p99_ttft_ms@1 = [\d.]+ > 300", d["violations"][0]), d
+        assert "below the objective's 16: higher load can only make it worse" in d["reason"]
+        assert list(d["metrics"]) == ["1"]  # level 16 was never benched
+        assert "higher load can only make it worse" in t.user_attrs["pruned"]
+    assert "winner base" in res.stdout, res.stdout
+    assert re.search(r"s\d+ +prune +p99_ttft_ms@1", res.stdout), res.stdout
+    res = run_invoke("tune.report", "randcamp", "-H", "lab1", inventory=inv, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    md = (results / "lab1" / "campaigns" / "randcamp" / "report.md").read_text()
+    assert "pruned" in md and "p99_ttft_ms@1 = " in md
+
+
+def test_a_sigkilled_search_resumes_from_its_sqlite_study(tune_lab, tmp_path):
+    import optuna
+
+    lab, inv, env, results = tune_lab
+    search_campaign(tmp_path, "killcamp", "tpe", max_trials=4, seed=3)
+    with open(tmp_path / "kill.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "invoke", "tune", "killcamp", "-H", "lab1"], cwd=REPO,
+                                env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1", PYTHONUNBUFFERED="1",
+                                         **env), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while time.time() < deadline and not any(e.get("trial") == "s001" and e["phase"] == "start"
+                                                 for e in log_of(results, "killcamp")):
+            assert proc.poll() is None, "tune ended before the kill: " + (tmp_path / "kill.out").read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    cut = {t.number: t for t in study_trials(results, "killcamp")}
+    assert cut[1].state == optuna.trial.TrialState.RUNNING and cut[0].state == optuna.trial.TrialState.COMPLETE
+    res = run_invoke("tune", "killcamp", "-H", "lab1", inventory=inv, env=env)
+    assert res.returncode == 2 and "--resume" in res.stderr  # never silently starts over
+    res = run_invoke("tune", "killcamp", "-H", "lab1", "--resume", inventory=inv, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "study trial #1 was cut off mid-trial" in res.stdout, res.stdout
+    study = study_trials(results, "killcamp")
+    states = [t.state for t in study if not t.user_attrs.get("same_as")]  # (a point asked again: not run twice)
+    # the cut-off trial failed and its point ran again under the same id: 3 sampled trials, one FAIL
+    assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.COMPLETE) == 3
+    failed = next(t for t in study if t.state == optuna.trial.TrialState.FAIL)
+    retry = next(t for t in study if t.user_attrs.get("reclaims") == failed.number)
+    assert retry.params == failed.params and retry.user_attrs["tid"] == "s001"
+    entries = log_of(results, "killcamp")
+    dones = [e for e in entries if e["phase"] == "done" and "trial" in e]
+    assert sorted(e["trial"] for e in dones) == sorted(["base"] + [t.user_attrs["tid"] for t in study
+                                                                   if t.state == optuna.trial.TrialState.COMPLETE])
+    assert [e["outcome"] for e in dones if e["trial"] == "s001"] == ["ok"]  # finished once, counted once
+    assert "budget: 4 trials run (max_trials 4)" in res.stdout
+
+
+@pytest.fixture
+def postgres():
+    """A real PostgreSQL server on loopback (Debian's binaries), trust auth, for the test only."""
+    import glob
+    import tempfile
+
+    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+    if not bins:
+        pytest.fail("no PostgreSQL server binaries: run scripts/setup.sh (it installs postgresql)")
+    bin_dir = Path(bins[-1])
+    root = Path(tempfile.mkdtemp(prefix="servops-pg-"))
+    data = root / "data"
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: run the server as Debian's postgres user
+        as_user = ["runuser", "-u", "postgres", "--"]
+        os.chmod(root, 0o755)
+        shutil.chown(root, "postgres", "postgres")
+    port = free_port()
+    subprocess.run(as_user + [str(bin_dir / "initdb"), "-D", str(data), "-U", "servops", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run(as_user + [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60",
+                              "-o", f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={root}",
+                              "start"], check=True, capture_output=True, timeout=120)
+    try:
+        yield f"postgresql://servops@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(as_user + [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_two_controllers_share_one_study_through_a_real_postgresql(lab, tmp_path, postgres):
+    import optuna
+
+    inv = lab.inventory(n_hosts=2, host_vars={"lab1": {"server_port": free_port(), "lease_timeout": 60},
+                                              "lab2": {"server_port": free_port(), "lease_timeout": 60}})
+    books = playbooks_with(tmp_path, tbase=TBASE)
+    (tmp_path / "camps").mkdir()
+    search_campaign(tmp_path, "shared", "tpe", max_trials=5, seed=11)
+    results = tmp_path / "results"
+    env = {"SERVOPS_PLAYBOOKS": str(books), "SERVOPS_RESULTS": str(results),
+           "SERVOPS_CAMPAIGNS": str(tmp_path / "camps")}
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "invoke", "tune", "shared", "-H", h, "--storage", postgres],
+                                  cwd=REPO, env=dict(os.environ, SERVOPS_INVENTORY=str(inv), NO_COLOR="1",
+                                                     PYTHONUNBUFFERED="1", COLUMNS="200", **env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for h in ("lab1", "lab2")]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out
+    finally:
+        run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name="shared", storage=postgres.replace("postgresql://", "postgresql+psycopg2://"))
+    study = study.get_trials()
+    ran = [t for t in study if not t.user_attrs.get("same_as")]
+    # one study, both controllers' points in it; each host's trials.jsonl holds its own, none twice
+    assert {t.user_attrs["host"] for t in ran} == {"lab1", "lab2"}
+    # every trial finished (under load one may fail or be pruned: told as such, never left running)
+    assert all(t.state.is_finished() for t in ran), [(t.number, t.state) for t in ran]
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in ran) >= 2
+    assert 4 <= len(ran) <= 5  # the budget (each host's base counts on its own host) -- at most one over, as
+    #                            Optuna's MaxTrialsCallback, when both ask at the same moment
+    for host in ("lab1", "lab2"):
+        path = results / host / "campaigns" / "shared" / "trials.jsonl"
+        finished = [e["trial"] for e in map(json.loads, path.read_text().splitlines())
+                    if e.get("phase") == "done" and "trial" in e and e.get("outcome") != "duplicate"]
+        assert sorted(finished) == sorted(["base"] + [t.user_attrs["tid"] for t in ran if t.user_attrs["host"] == host])
+        assert not (path.parent / "study.db").exists()  # the study is the shared one

@@ -1,0 +1,141 @@
+"""A campaign's Optuna study (search: random / tpe), in Optuna's RDB storage.
+
+By default an SQLite file beside the campaign's trials.jsonl (`study.db`); `--storage URL`
+(postgresql://..., mysql://...) shares one study between several controllers. The study is the
+campaign's search state: --resume asks it for the next point, and a trial a controller was
+running when it died is failed and its point enqueued again under the same trial id (reclaimed):
+never lost, never counted twice. A trial this host was running is reclaimed at once on --resume
+(a host runs one trial at a time); another controller's, once its heartbeat is older than
+GRACE_S (Optuna's stale-trial check).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+
+from .errors import ServopsError
+
+HEARTBEAT_S = 20
+GRACE_S = 120
+URL = re.compile(r"(sqlite|postgresql|postgresql\+psycopg2|mysql|mysql\+pymysql)://\S*")
+
+
+class StudyError(ServopsError):
+    pass
+
+
+def check_url(url: str) -> str:
+    """--storage URL: one of the database kinds Optuna's RDB storage takes (a bad one: one line)."""
+    if not URL.fullmatch(url or ""):
+        raise StudyError(f"--storage {_shown(url)!r}: expected a database URL like postgresql://user@host/db or "
+                         "sqlite:///path/study.db")
+    return url
+
+
+def _shown(url: str) -> str:
+    return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url or "")
+
+
+def default_url(directory: Path) -> str:
+    return f"sqlite:///{(directory / 'study.db').resolve()}"
+
+
+def quiet() -> None:
+    """Optuna's experimental-feature and ask-and-tell heartbeat notes are not the operator's concern."""
+    import warnings
+
+    import optuna
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+def set_constraints(trial, values: list[float]) -> None:
+    """The campaign's constraints as the trial's one Optuna constraint: how many are violated
+    (<= 0: feasible); one key for every trial, pruned ones included."""
+    trial.set_constraint("violated", float(sum(1 for v in values if v > 0)))
+
+
+def reclaim(study, trial) -> None:
+    """A dead controller's trial (failed): its point is asked again, under the same trial id."""
+    if trial.user_attrs.get("reclaimed_as") or not trial.params:
+        return
+    attrs = {k: v for k, v in trial.user_attrs.items() if k in ("tid", "host", "label")}
+    study.enqueue_trial(trial.params, user_attrs=dict(attrs, reclaims=trial.number))
+
+
+def make_sampler(strategy: str, seed: int | None, n_trials_hint: int | None = None):
+    """TPE (multivariate, its random start-up a quarter of the budget, 3 to 10 trials) or random.
+    The campaign's constraints reach TPE through Trial.set_constraint (tune's _tell), Optuna 5's
+    replacement for constraints_func."""
+    import optuna
+
+    quiet()
+    if strategy == "tpe":
+        startup = max(3, min(10, (n_trials_hint or 30) // 4))
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, group=True)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def open_study(name: str, url: str, strategy: str, direction: str, seed: int | None, n_trials_hint: int | None):
+    """(study, storage); a storage that cannot be opened is one StudyError line."""
+    import optuna
+
+    optuna.logging.set_verbosity(logging.WARNING)
+    quiet()
+    engine_url = url
+    if url.startswith("postgresql://"):  # SQLAlchemy 2.1 defaults to psycopg 3; the dependency is psycopg2
+        engine_url = "postgresql+psycopg2://" + url[len("postgresql://"):]
+    for attempt in range(4):
+        try:
+            storage = optuna.storages.RDBStorage(engine_url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                                 heartbeat_stale_trial_callback=reclaim)
+            break
+        except ImportError as exc:
+            raise StudyError(f"storage {_shown(url)}: {exc}") from None
+        except Exception as exc:  # a refused connection, a bad path -- or two controllers creating the tables at once
+            if attempt == 3:
+                raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+            time.sleep(1 + attempt)
+    sampler = make_sampler(strategy, seed, n_trials_hint)
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction=direction,
+                                    load_if_exists=True)
+    except Exception as exc:
+        raise StudyError(f"study {name} in {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+    if study.direction.name.lower() != direction:
+        raise StudyError(f"study {name} in {_shown(url)} is to {study.direction.name.lower()}, the campaign's "
+                         f"objective to {direction}: give another --storage, or --restart")
+    return study, storage
+
+
+def reclaim_own(study, storage, host: str) -> list[int]:
+    """--resume: this host's trials still RUNNING were cut off (a host runs one at a time): failed
+    and their points enqueued again. Then Optuna's stale check for the other controllers'."""
+    import optuna
+    from optuna.trial import TrialState
+
+    numbers = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.user_attrs.get("host") == host:
+            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "enqueued")
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            attrs = {k: v for k, v in t.user_attrs.items() if k in ("tid", "host", "label")}
+            study.enqueue_trial(t.params, user_attrs=dict(attrs, reclaims=t.number))
+            numbers.append(t.number)
+    optuna.storages.fail_stale_trials(study)
+    return numbers
+
+
+def counted(study) -> int:
+    """Trials the budget counts: every one asked, less those reclaimed (their retry counts) and
+    those waiting in the queue."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    reclaimed = {t.user_attrs.get("reclaims") for t in trials if t.user_attrs.get("reclaims") is not None}
+    return sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in reclaimed
+               and not t.user_attrs.get("reclaimed_as") and not t.user_attrs.get("same_as"))
