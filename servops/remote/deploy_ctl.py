@@ -577,6 +577,33 @@ def http_ok(port, path, timeout=2.0):
     return http_get(port, path, timeout)[0] == 200
 
 
+def first_request(port, path, timeout=120.0):
+    """(status, body) of one 1-token completion, the model the server lists at /v1/models."""
+    model = None
+    status, body = http_get(port, "/v1/models")
+    if status == 200:
+        try:
+            model = json.loads(body)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            model = None
+    payload = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    if model:
+        payload["model"] = model
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(4096).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        try:
+            text = exc.read(4096).decode("utf-8", "replace")
+        except Exception:
+            text = ""
+        return exc.code, text
+    except Exception as exc:
+        return None, str(exc)
+
+
 def info_ok(port, paths):
     """The model info endpoint, newest spelling first (/model_info; /get_model_info before 0.5.x)."""
     for path in paths:
@@ -763,6 +790,18 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
                     log.settle()
                     return result("crashed", "port %d answered, but another process holds it, not this release's "
                                              "server" % port, log.lines[-25:])
+                first = health.get("first_request")
+                if first:  # a server that dies at its first request (vLLM's CPU attention) fails here
+                    status, body = first_request(port, first)
+                    if status != 200:
+                        time.sleep(1.0)
+                        hit = log.poll()
+                        log.settle()
+                        what = "HTTP %s" % status if status else "no answer (%s)" % body[:200]
+                        return result("crashed", "first request to %s: %s%s" % (
+                            first, what, (": " + mask(body.strip())[:200]) if status and body.strip() else ""),
+                            log.excerpt(hit[1] if hit else None))
+                    used = (used + ", " if used else "") + "a 1-token request to " + first
                 return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
         elapsed = time.monotonic() - started
         if elapsed > deadline_s:
