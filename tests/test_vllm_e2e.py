@@ -169,3 +169,31 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
         time.sleep(0.5)
     assert vllm_processes(root) == [] and port_free(port)
     print(f"deploy to healthy: {deploy_s:.1f}s")
+
+
+def test_lab_up_starts_the_vllm_host_and_its_launch_checks(tmp_path, vllm_venv):  # noqa: F811 (fixture)
+    """`invoke lab.up -I inventory/lab-vllm.yml` as a newcomer runs it (HOME fresh, ports free):
+    sshd up, the cached venv linked at ~/.servops-lab/vllm-venv, the tiny models and compile cache
+    under /tmp/servops-lab-vllm, and vLLM's own parser accepts vllm-baseline over the lab's SSH."""
+    lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())
+    host = lab["all"]["children"]["lab"]["children"]["vllm"]["hosts"]["vllm1"]
+    host.update(ssh_port=free_port("127.0.0.6"), server_port=free_port("127.0.0.1"))
+    inv = tmp_path / "lab-vllm.yml"
+    inv.write_text(yaml.safe_dump(lab, sort_keys=False))
+    home = tmp_path / "home"
+    home.mkdir()
+    from servops.lab import venvs
+    env = {"HOME": str(home), "SERVOPS_TEST_CACHE": str(venvs.CACHE)}
+    try:
+        res = run_invoke("lab.up", inventory=inv, env=env, timeout=1200)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert (home / ".servops-lab" / "vllm-venv").resolve() == vllm_venv.resolve()
+        for shape in vllmlab.SHAPES:
+            assert (vllmlab.ROOT / shape / "config.json").is_file()
+        res = run_invoke("check", "--variant", "vllm-baseline", "-H", "vllm1", inventory=inv, env=env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "vllm" in res.stdout and "0.32.0: real parser" in res.stdout, res.stdout
+        assert "/tmp/servops-lab-vllm/llama-h256: directory" in res.stdout, res.stdout
+    finally:
+        res = run_invoke("lab.down", inventory=inv, env=env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
