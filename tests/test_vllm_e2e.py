@@ -4,7 +4,8 @@ the lab host of inventory/lab-vllm.yml on a real sshd, every verb through the re
 One flow, in order, on one module-scoped host (a vLLM start costs ~70 s on its first compile):
 deploy vllm-baseline -> check / deploy --dry-run refuse a typo'd flag with vLLM's parser while the
 server runs on, untouched -> bench -> metrics -> the head_dim-16 model as a variant crashes at the
-gate's first request and is rolled back (exit 4), diagnose names it from the real log -> stop
+gate's first request and is rolled back (exit 4), diagnose names it from the real log ->
+--max-model-len above the model's limit is a real startup refusal, rolled back (exit 4) -> stop
 leaves no EngineCore/Worker and the port free."""
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def books(vhost) -> Path:
     return playbooks_with(
         vhost["tmp"],
         typo="extends: vllm-baseline\nserver_args: {max-num-seqz: 8}\n",
-        hd16=f"extends: vllm-baseline\nserver_args: {{model: {vhost['models']['llama-hd16']}}}\n")
+        hd16=f"extends: vllm-baseline\nserver_args: {{model: {vhost['models']['llama-hd16']}}}\n",
+        toolong="extends: vllm-baseline\nserver_args: {max-model-len: 4096}\n")
 
 
 def server_pid(root: Path) -> int | None:
@@ -160,6 +162,13 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
 
     res = run_invoke("diagnose", "--release", failed.name, inventory=inv, env=env, timeout=300, merged=True)
     assert "head_dim" in res.stdout or "Unsupported CPU attention configuration" in res.stdout, res.stdout[-4000:]
+
+    # --max-model-len above the model's 2048: vLLM's parser takes the number, its startup refuses it
+    res = run_invoke("deploy", "--variant", "toolong", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 4, res.stdout[-4000:]
+    assert "toolong crashed: server exited" in res.stdout and f"rolled back to {before}" in res.stdout, res.stdout[-4000:]
+    assert "max_model_len" in res.stdout  # the excerpt of vLLM's own refusal
+    assert (root / "current").resolve().name == before and not port_free(port)
 
     # stop: no EngineCore/Worker left, the port free
     res = run_invoke("stop", "--grace", "30", inventory=inv, env=env, timeout=300, merged=True)

@@ -500,9 +500,13 @@ def start_server(name, port):
         finally:
             os._exit(127)
     os.close(go_r)
+    # where this run's output starts in the (appended) log: a gate reads from there, never an
+    # earlier run's lines (vLLM logs EngineDeadError when it is stopped)
+    log_offset = os.fstat(log_fd).st_size
     os.close(log_fd)
     info = {"pid": pid, "pgid": pid, "starttime": proc_starttime(pid), "release": name,
-            "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
+            "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path,
+            "log_offset": log_offset}
     try:
         fault("start:forked")
         replace_with(PIDFILE, json.dumps(info))
@@ -752,6 +756,10 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
     """Wait until the release answers its health endpoints, dies, logs a crash signature or runs
     out of time. Returns the outcome dict."""
     log = LogWatch(os.path.join(release_dir(name), "server.log"), signatures)
+    proc = server_proc() or {}
+    offset = proc.get("log_offset")
+    if proc.get("release") == name and isinstance(offset, int) and not isinstance(offset, bool) and offset > 0:
+        log.pos = offset  # this run's lines only (a release started again appends to its log)
     mask = masker(name)
     started = time.monotonic()
     endpoint = health.get("endpoint", "/health")
