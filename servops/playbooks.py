@@ -164,6 +164,9 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
         merged.setdefault("template", "launch_sglang.sh.j2")
         merged["health"] = dict(DEFAULT_HEALTH, **(merged.get("health") or {}))
     else:
+        if merged.get("when"):
+            raise VariantError(f"playbooks/{name}.yml: 'when' rules key on sglang's version; a {engine.name} "
+                               f"variant cannot have them yet (give its flags directly)")
         merged.setdefault("template", engine.template)
         merged["health"] = dict(engine.health, **(merged.get("health") or {}))
         merged["crash_signatures"] = list(dict.fromkeys([*(merged.get("crash_signatures") or []),

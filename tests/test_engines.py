@@ -81,6 +81,12 @@ def test_an_unknown_engine_is_one_line(tmp_path):
         load_variant("odd", root=books)
 
 
+def test_a_vllm_variant_with_sglang_version_rules_is_refused(tmp_path):
+    books = playbooks_with(tmp_path, ruled="extends: vllm-baseline\nwhen:\n  - {sglang: '>=0.5.14', server_args: {x: 1}}\n")
+    with pytest.raises(VariantError, match=r"playbooks/ruled.yml: 'when' rules key on sglang's version; a vllm"):
+        load_variant("ruled", root=books)
+
+
 def test_a_vllm_launch_ignores_the_hosts_sglang_module_and_files():
     inv = load_inventory(REPO / "inventory" / "lab-vllm.yml")
     host = inv.hosts["vllm1"]
