@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import localfiles, releases
+from . import engines, localfiles, releases
 from .errors import RemoteError, ServopsError
 from .output import console, err_console, is_tty, json_text, print_table, table
 from .provenance import git_sha
@@ -234,6 +234,14 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
             "dataset": dataset or {"kind": "random"}, "request_rate": request_rate, "burstiness": float(burstiness),
             "warmup": None if warmup is None else int(warmup), "flush_cache": bool(flush_cache), "seed": int(seed), "range_ratio": float(range_ratio),
             "tokenizer": tokenizer or None, "slo": slo or None, "repeat": int(repeat), "keep_text": bool(keep_text)}
+    engine = engines.get(release.get("engine"))
+    if engine.name != "sglang":  # an sglang bench sends what it always sent
+        request = engine.request
+        args.update(engine=engine.name, engine_dists=list(engine.dists))
+        if request.get("model") == "served":
+            args["model_from_server"] = True  # vLLM serves only the model /v1/models names
+        if not request.get("flush"):
+            args["flush_cache"] = False  # no cache flush outside vLLM's dev mode
     config = {k: v for k, v in args.items() if k != "dataset"}
     config["request_rate"] = "inf" if request_rate is None else request_rate
     config["dataset"] = {"kind": kind, **({"path": dataset["path"], "rows": len(dataset["rows"])} if dataset and "rows" in dataset else {})}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from . import interrupt, patchplan, releases
+from . import engines, interrupt, patchplan, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import host_lock
 from .errors import ServopsError
@@ -92,7 +92,7 @@ def render_preview(hs: HostSession, variant: dict) -> str:
     resolved, launch, check = preflight(hs, variant)
     health = resolved.get("health") or {}
     source = "variant" if health.get("timeout") is not None else "inventory or default"
-    notes = [f"host sglang: {check.sglang_version or 'not installed'}"
+    notes = [f"host {check.engine}: {check.sglang_version or 'not installed'}"
              + (" (static check)" if check.static else ""),
              *(f"rule applied: {r}" for r in check.rules),
              f"health gate: {health.get('endpoint', '/health')} within {health_timeout(hs, health):g}s ({source})"]
@@ -120,7 +120,11 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
     }
     if launch.secret_env:
         files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
-    for local in hs.host.get("server_files") or []:  # e.g. the lab's SGLang double
+    engine = engines.of_variant(variant)
+    if engine.name != "sglang":  # recorded for bench and stop; an sglang release.json stays as it was
+        record["engine"] = engine.name
+        files["release.json"] = {"text": json.dumps(record, indent=1, sort_keys=True)}
+    for local in (hs.host.get("server_files") or []) if engine.name == "sglang" else []:  # e.g. the lab's SGLang double
         path = Path(local) if Path(local).is_absolute() else REPO / local
         if not path.is_file():
             raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from . import engines
 from .errors import ServopsError
 from .playbooks import apply_rules, matching_rules, when_branches
 from .remote_exec import run_program
@@ -57,6 +58,7 @@ class LaunchCheck:
     branches: int = 1                   # argvs the host parsed in this round trip
     server_module: str = "sglang.launch_server"
     flag_problems: list[str] = field(default_factory=list)  # the problems the host's parser found
+    engine: str = "sglang"              # the variant's engine (sglang_version is then that engine's version)
 
     @property
     def checked(self) -> bool:
@@ -64,18 +66,21 @@ class LaunchCheck:
 
     def summary(self) -> str:
         """One line for the recap."""
-        how = {"real": "sglang's parser", "static": "static check of sglang's source", None: "not checked"}[self.parser]
+        e = self.engine
+        how = {"real": f"{e}'s parser", "static": f"static check of {e}'s source", None: "not checked"}[self.parser]
         rules = f", {len(self.rules)} rule(s)" if self.rules else ""
         if not self.ok:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
             by = f" by {how}" if self.parser else ""
             return f"refused{by}: {self.problems[0]}{more}"
         if not self.sglang_version:
-            return f"no sglang on the host: flags not checked ({self.server_module}); facts ok in {self.elapsed_s:.2f}s"
-        return f"launch ok on sglang {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
+            return f"no {e} on the host: flags not checked ({self.server_module}); facts ok in {self.elapsed_s:.2f}s"
+        return f"launch ok on {e} {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
 
 
-def _server_module(hs: HostSession) -> str:
+def _server_module(hs: HostSession, engine: engines.Engine | None = None) -> str:
+    if engine is not None and engine.name != "sglang":
+        return str(hs.host.get(f"{engine.name}_module") or engine.launch_module)
     return str(hs.host.get("server_module") or "sglang.launch_server")
 
 
@@ -100,16 +105,19 @@ def _branch_inputs(hs: HostSession, variant: dict) -> tuple[list[dict], dict, li
     return branches, {k: v for k, _e, v in table}, table
 
 
-def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict) -> tuple[dict, float]:
+def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict,
+         program: str = "launch_check") -> tuple[dict, float]:
     port = hs.host.get("server_port")
     args = {"branches": branches, "deploy_root": deploy_root, "port": int(port) if port else None}
     started = time.monotonic()
-    res = run_program(hs, "launch_check", args, env=env or None)
+    res = run_program(hs, program, args, env=env or None)
+    if "engine" in res and "sglang" not in res:  # another engine's program: its facts under "engine"
+        res["sglang"] = res["engine"]
     return res, time.monotonic() - started
 
 
-def _problem_lines(result: dict, version: str | None, static: bool) -> list[str]:
-    on = f"on sglang {version}" + (" (static check)" if static else "")
+def _problem_lines(result: dict, version: str | None, static: bool, engine: str = "sglang") -> list[str]:
+    on = f"on {engine} {version}" + (" (static check)" if static else "")
     lines = []
     for p in result.get("problems") or []:
         flag, kind, msg, sugg = p.get("flag") or "", p.get("kind"), p.get("message") or "", p.get("suggestions") or []
@@ -127,12 +135,12 @@ def _problem_lines(result: dict, version: str | None, static: bool) -> list[str]
     return lines
 
 
-def refusal_line(variant_name: str, version: str | None, resolved: dict) -> str | None:
+def refusal_line(variant_name: str, version: str | None, resolved: dict, engine: str = "sglang") -> str | None:
     """A `when:` rule's refusal (the host's release lacks what the variant is for), as the
     first problem line, naming the variant and the version; None when no rule refused."""
     if not resolved.get("refuse"):
         return None
-    return f"{variant_name} cannot run on sglang {version}: {resolved['refuse']}"
+    return f"{variant_name} cannot run on {engine} {version}: {resolved['refuse']}"
 
 
 def _fact_problems(check: LaunchCheck, result: dict, res: dict) -> list[str]:
@@ -164,9 +172,10 @@ def _visible_gpus(count: int, cvd: str | None) -> int:
 
 def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> LaunchCheck:
     """Validate the variant's launch on this host in one SSH round trip (see the module doc)."""
+    engine = engines.of_variant(variant)
     branches, ids, table = _branch_inputs(hs, variant)
     base = next((b for b in branches if b["id"] == ids.get(())), branches[0] if branches else None)
-    res, elapsed = _run(hs, branches, deploy_root, (base or {}).get("env") or {})
+    res, elapsed = _run(hs, branches, deploy_root, (base or {}).get("env") or {}, engine.check_program)
     info = res.get("sglang") or {}
     version = info.get("version")
     key = tuple(matching_rules(variant, version))
@@ -175,7 +184,7 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
         resolved, _ = apply_rules(variant, list(key))
         launch = render_launch(hs.host, resolved)  # raises the branch's own render error
         extra = {"id": "exact", "argv": launch.argv, "env": dict(launch.env, **launch.secret_env)}
-        res2, more = _run(hs, [extra], deploy_root, extra["env"])
+        res2, more = _run(hs, [extra], deploy_root, extra["env"], engine.check_program)
         res["branches"] = dict(res.get("branches") or {}, exact=res2["branches"]["exact"])
         branches.append(extra)
         chosen, elapsed = "exact", elapsed + more
@@ -186,12 +195,13 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     result = (res.get("branches") or {}).get(chosen) or {}
     parser = info.get("parser")
     static = parser == "static"
-    module = _server_module(hs)
+    module = _server_module(hs, engine)
+    e = engine.name
     check = LaunchCheck(
         host=hs.host.name, variant_name=str(variant.get("name", "?")), sglang_version=version, static=static,
         parser=parser, rules=applied, variant=resolved, argv=list(branch["argv"]), ok=True, problems=[],
         elapsed_s=round(elapsed, 3), note=info.get("note"), host_timings=res.get("timings") or {},
-        branches=len(branches), server_module=module)
+        branches=len(branches), server_module=module, engine=e)
     facts = result.get("facts") or {}
     check.facts = {"python": res.get("python"), "python_version": res.get("python_version"),
                    "model": facts.get("model"), "port": res.get("port"), "gpus": res.get("gpus"),
@@ -201,32 +211,32 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
                    "prog": info.get("prog")}
     problems: list[str] = []
     warnings: list[str] = []
-    refused = refusal_line(check.variant_name, version, resolved)
+    refused = refusal_line(check.variant_name, version, resolved, e)
     if refused:
         problems.append(refused)
     if version is None:
-        if module.startswith(REAL_MODULE_PREFIX):
-            problems.append(f"sglang is not installed for {res.get('python')} (server_module {module})")
+        if module.startswith(REAL_MODULE_PREFIX) or e != "sglang":
+            problems.append(f"{e} is not installed for {res.get('python')} (server_module {module})")
         else:
             check.note = f"no sglang installed for {res.get('python')}: nothing to check against; {module} parses its own flags"
     elif parser is None:
-        warnings.append(f"sglang {version}'s flags were not checked: {info.get('note') or 'no parser'}")
+        warnings.append(f"{e} {version}'s flags were not checked: {info.get('note') or 'no parser'}")
     else:
-        check.flag_problems = _problem_lines(result, version, static)
+        check.flag_problems = _problem_lines(result, version, static, e)
         problems.extend(check.flag_problems)
         used = {a.split("=", 1)[0] for a in check.argv if a.startswith("--")}
         for w in result.get("warnings") or []:
-            warnings.append(f"{w['flag']}: {w['message']} (sglang {version})")
+            warnings.append(f"{w['flag']}: {w['message']} ({e} {version})")
         unchecked = sorted(used & set(info.get("unchecked") or []))
         if static and unchecked:
             warnings.append(f"static check: values of {', '.join(unchecked)} were not checked (computed at run time)")
         skipped = info.get("skipped") or []
         if static and skipped:
-            warnings.append(f"static check: {len(skipped)} flag registration(s) of sglang {version} could not be "
+            warnings.append(f"static check: {len(skipped)} flag registration(s) of {e} {version} could not be "
                             f"read ({skipped[0]}{', ...' if len(skipped) > 1 else ''}); a flag reported "
                             f"unrecognized may still exist there")
     missing = (facts.get("model") or {}).get("missing_architectures")
-    if missing and version and module not in DOUBLE_MODULES:
+    if missing and version and module not in DOUBLE_MODULES and e == "sglang":
         warnings.append(f"model architecture {', '.join(missing)} (its config.json) is not among sglang {version}'s "
                         f"models: the launch fails unless something else serves it (--model-impl transformers, "
                         f"an external model package)")
@@ -281,7 +291,7 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
     ver = check.sglang_version or "not installed"
     how = {"real": f"real parser ({f.get('parser_actions')} flags, prog {f.get('prog')!r})",
            "static": f"STATIC check of its source ({f.get('parser_actions')} flags)", None: "not checked"}[check.parser]
-    rows.append(("sglang", f"{ver}: {how}"))
+    rows.append((check.engine, f"{ver}: {how}"))
     rows.append(("python", f"{f.get('python')} ({f.get('python_version')})"))
     model = f.get("model")
     if model:

@@ -31,6 +31,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import engines
 from .errors import ServopsError
 from .remote_exec import run_program
 from .transport import HostSession
@@ -151,10 +152,22 @@ def _quantiles(buckets: list[tuple[float, float]], count: float) -> dict:
     return {"count": count, **{f"p{int(q * 100)}": histogram_quantile(q, buckets) for q in QUANTILES}}
 
 
+def _named(families: dict, kind: str, key: str, name: str) -> str:
+    """The metric name this server reports for servops' `key`: sglang's, else another engine's
+    (vLLM's vllm:num_requests_running for "running", ...), else sglang's (absent)."""
+    if _family(families, name) or _family(families, name + "_bucket") or _family(families, name + "_total"):
+        return name
+    for other in engines.metric_aliases(kind).get(key, []):
+        if _family(families, other) or _family(families, other + "_bucket") or _family(families, other + "_total"):
+            return other
+    return name
+
+
 def summarise(families: dict) -> dict:
     out: dict = {"gauges": {}, "raw": {"histograms": {}, "counters": {}}}
     ranks = 0
     for key, (name, kind) in GAUGES.items():
+        name = _named(families, "gauges", key, name)
         agg = aggregate_gauge(_family(families, name), kind)
         out["gauges"][key] = agg
         out[key] = agg["value"] if agg else None
@@ -163,11 +176,13 @@ def summarise(families: dict) -> dict:
         ranks = max(ranks, agg["ranks"] if agg else 0)
     out["ranks"] = ranks
     for key, name in HISTOGRAMS.items():
+        name = _named(families, "histograms", key, name)
         buckets, count, total = _buckets(_family(families, name))
         out[key] = _quantiles(buckets, count)
         out["raw"]["histograms"][key] = {"buckets": [["+Inf" if math.isinf(b) else b, c] for b, c in buckets],
                                          "count": count, "sum": total}
     for key, name in COUNTERS.items():
+        name = _named(families, "counters", key, name)
         samples = [s for s in _family(families, name) + _family(families, name + "_total")
                    if s.name.endswith("_total")]
         out["raw"]["counters"][key] = sum(s.value for s in samples) if samples else None

@@ -159,14 +159,33 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
         merged = _merge(merged, layer)
     merged["name"] = name
     merged["chain"] = list(reversed(chain))
-    merged.setdefault("template", "launch_sglang.sh.j2")
-    merged["health"] = dict(DEFAULT_HEALTH, **(merged.get("health") or {}))
+    engine = _engine(merged, name)
+    if engine.name == "sglang":  # as always: sglang variants carry no engine key of their own
+        merged.setdefault("template", "launch_sglang.sh.j2")
+        merged["health"] = dict(DEFAULT_HEALTH, **(merged.get("health") or {}))
+    else:
+        if merged.get("when"):
+            raise VariantError(f"playbooks/{name}.yml: 'when' rules key on sglang's version; a {engine.name} "
+                               f"variant cannot have them yet (give its flags directly)")
+        merged.setdefault("template", engine.template)
+        merged["health"] = dict(engine.health, **(merged.get("health") or {}))
+        merged["crash_signatures"] = list(dict.fromkeys([*(merged.get("crash_signatures") or []),
+                                                         *engine.crash_signatures]))
     for key in _MAPS:
         merged.setdefault(key, {})
     for key in _LISTS:
         merged.setdefault(key, [])
     merged.setdefault("when", [])
     return merged
+
+
+def _engine(merged: dict, name: str):
+    from . import engines
+
+    try:
+        return engines.of_variant(merged)
+    except engines.EngineError as exc:
+        raise VariantError(f"playbooks/{name}.yml: {exc}") from None
 
 
 def describe_rule(rule: dict) -> str:

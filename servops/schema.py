@@ -305,11 +305,15 @@ def _nested_repeat(pattern: str) -> bool:
 HEALTH = {
     "endpoint": Field("str", pattern=re.compile(r"/\S*"), what="an HTTP path like /health"),
     "model_info": Field("str", pattern=re.compile(r"/\S*"), what="an HTTP path like /model_info", nullable=True),
+    # one real 1-token completion the gate sends after /health (a server that dies at its first request)
+    "first_request": Field("str", pattern=re.compile(r"/\S*"), what="an HTTP path like /v1/completions",
+                           nullable=True),
     "timeout": POSITIVE,
     "interval": POSITIVE,
 }
 VARIANT = {
     "extends": Field("str", pattern=NAME, what="a variant name"),
+    "engine": Field("str", pattern=NAME, what="an engine name (sglang, vllm)"),
     "template": Field("str", pattern=NAME, what="a template file name under templates/"),
     "description": Field("any", nullable=True),
     "server_args": Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs", nullable=True,

@@ -82,11 +82,16 @@ def up(hosts: list[Host]) -> list[str]:
     if not key.exists():
         keygen(key)
     venv = LAB / "venv"
-    wanted = venvs.build_sglang_venv(LAB_SGLANG)
-    if venv.is_symlink() and Path(os.readlink(venv)) != wanted:
-        venv.unlink()  # an older lab's venv (without sglang): the lab's is the release venv
-    if not venv.exists():
-        venv.symlink_to(wanted)
+    if any("vllm" not in h.groups for h in hosts):
+        wanted = venvs.build_sglang_venv(LAB_SGLANG)
+        if venv.is_symlink() and Path(os.readlink(venv)) != wanted:
+            venv.unlink()  # an older lab's venv (without sglang): the lab's is the release venv
+        if not venv.exists():
+            venv.symlink_to(wanted)
+    if any("vllm" in h.groups for h in hosts):  # a real vLLM lab host (inventory/lab-vllm.yml)
+        from . import vllmlab
+
+        vllmlab.prepare(LAB)
     CUDA_STANDIN.mkdir(exist_ok=True)
     (CUDA_STANDIN / "version.json").write_text(CUDA_VERSION_JSON)
     known, started = {}, []

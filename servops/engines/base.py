@@ -1,0 +1,25 @@
+"""What one engine is, as servops needs it (a record of facts; the rooms fill it in)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str                       # as a variant names it: `engine: vllm`
+    launch_module: str              # `python -m <launch_module> <argv>`
+    template: str                   # launch script template under templates/
+    check_program: str              # the remote program that parses a launch with the host's engine
+    dists: tuple[str, ...]          # distributions its version is read from, in order
+    health: dict                    # default health gate: endpoint, model_info, first_request
+    gauges: dict = field(default_factory=dict)       # servops key -> engine metric (a gauge)
+    histograms: dict = field(default_factory=dict)   # servops key -> histogram base name
+    counters: dict = field(default_factory=dict)     # servops key -> counter name (without _total)
+    request: dict = field(default_factory=dict)      # the bench's request shape
+    process_names: tuple[str, ...] = ()              # what its server tree holds (for stop)
+    crash_signatures: tuple[str, ...] = ()           # log lines that mean the server is dead
+
+    def label(self, version: str | None) -> str:
+        """'vllm 0.32.0' (the engine and its version, as messages name them)."""
+        return f"{self.name} {version}" if version else self.name

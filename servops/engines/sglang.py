@@ -1,0 +1,26 @@
+"""SGLang: the engine servops was built around. Its facts as the rest of servops has always
+used them (servops.metrics, servops.remote.loadgen and launch_check keep their own copies of
+these names; this room is what the engine-neutral code asks)."""
+
+from .base import Engine
+
+ENGINE = Engine(
+    name="sglang",
+    launch_module="sglang.launch_server",
+    template="launch_sglang.sh.j2",
+    check_program="launch_check",
+    dists=("sglang",),
+    # /model_info, with /get_model_info (deprecated) as the gate's fallback
+    health={"endpoint": "/health", "model_info": "/model_info", "interval": 2},
+    gauges={"running": "sglang:num_running_reqs", "queued": "sglang:num_queue_reqs",
+            "token_usage": "sglang:token_usage", "gen_throughput": "sglang:gen_throughput",
+            "cache_hit_rate": "sglang:cache_hit_rate", "used_tokens": "sglang:num_used_tokens"},
+    histograms={"ttft": "sglang:time_to_first_token_seconds", "itl": "sglang:inter_token_latency_seconds",
+                "e2e": "sglang:e2e_request_latency_seconds"},
+    counters={"requests": "sglang:num_requests", "prompt_tokens": "sglang:prompt_tokens",
+              "generation_tokens": "sglang:generation_tokens"},
+    # /v1/completions (OpenAI) by default; /generate with input_ids for the random-ids dataset
+    request={"endpoint": "/v1/completions", "model": "default", "flush": "/flush_cache",
+             "server_info": "/server_info"},
+    process_names=("sglang::scheduler", "sglang::detokenizer"),
+)

