@@ -242,6 +242,8 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
             args["model_from_server"] = True  # vLLM serves only the model /v1/models names
         if not request.get("flush"):
             args["flush_cache"] = False  # no cache flush outside vLLM's dev mode
+        if request.get("empty_is_token"):
+            args["empty_is_token"] = True  # a chunk of empty text is a token, as the engine's own bench counts
     config = {k: v for k, v in args.items() if k != "dataset"}
     config["request_rate"] = "inf" if request_rate is None else request_rate
     config["dataset"] = {"kind": kind, **({"path": dataset["path"], "rows": len(dataset["rows"])} if dataset and "rows" in dataset else {})}

@@ -4,8 +4,8 @@ Merging a child over its parent: mappings (server_args, env, health) merge key b
 `null` deleting a key; `patches` and `crash_signatures` are unions in order; scalars override.
 
 Version-aware variants: a variant states its intent once in `server_args`, and `when:` maps it to
-the flags of particular SGLang releases, chosen by the host's installed sglang (PEP 440
-specifiers):
+the flags of particular engine releases, chosen by the host's installed engine (PEP 440
+specifiers; a rule is keyed on the variant's engine, `sglang:` or `vllm:`):
 
     when:
       - sglang: ">=0.5.15,<0.5.23"
@@ -22,8 +22,13 @@ launch preflight refuses there, in one line naming the host's version:
         refuse: no piecewise CUDA graph before sglang 0.5.3.post2
 
 (`resolve()` leaves the text in the variant's `refuse` key; the last refusing rule wins.)
-A child's rules come after its parent's, so they win. With no sglang on the host
-(the lab's double), no rule applies. `resolve()` does the merge; `when_branches()` lists every
+A child's rules come after its parent's, so they win. With no engine installed on the host
+(the lab's double), no rule applies. A vLLM variant keys its rules on vLLM's version:
+
+    when:
+      - vllm: "<0.10"
+        refuse: no V1 engine before vllm 0.10
+ `resolve()` does the merge; `when_branches()` lists every
 combination of rules some version could select (the launch preflight checks them all at once).
 """
 
@@ -48,7 +53,8 @@ _LISTS = ("patches", "crash_signatures")
 # No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
-WHEN_KEYS = ("sglang", "note", "refuse", "rename", "server_args", "env", "health")
+ENGINE_KEYS = ("sglang", "vllm")  # the engines whose version a rule can key on (servops.engines)
+WHEN_KEYS = (*ENGINE_KEYS, "note", "refuse", "rename", "server_args", "env", "health")
 MAX_SPECIFIER_CHARS = 1000
 _WHEN_MAPS = ("server_args", "env", "health")
 
@@ -81,23 +87,29 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
     for i, rule in enumerate(rules):
         where = f"{path}: when[{i}]"
         if not isinstance(rule, dict):
-            raise VariantError(f"{where}: must be a mapping with 'sglang' and 'server_args', 'env' or 'health'")
+            raise VariantError(f"{where}: must be a mapping with the engine's version (sglang: or vllm:) and 'server_args', 'env' or 'health'")
         unknown = sorted(set(rule) - set(WHEN_KEYS))
         if unknown:
             raise VariantError(f"{where}: unknown key '{unknown[0]}' (known: {', '.join(WHEN_KEYS)})")
-        spec = rule.get("sglang")
+        keyed = [k for k in ENGINE_KEYS if k in rule]
+        if len(keyed) > 1:
+            raise VariantError(f"{where}: keys on both {' and '.join(keyed)}; a rule keys on the variant's "
+                               f"engine only")
+        engine = keyed[0] if keyed else "sglang"
+        at = f"{where}.{engine}" if keyed else f"{where}.sglang (or .vllm)"
+        spec = rule.get(engine)
         if not isinstance(spec, str) or not spec.strip():
-            raise VariantError(f"{where}.sglang: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
+            raise VariantError(f"{at}: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
         if len(spec) > MAX_SPECIFIER_CHARS:  # a version of thousands of digits cannot even be compared
-            raise VariantError(f"{where}.sglang: a specifier of {len(spec):,} characters; at most "
+            raise VariantError(f"{at}: a specifier of {len(spec):,} characters; at most "
                                f"{MAX_SPECIFIER_CHARS} (e.g. '>=0.5.15,<0.5.23')")
         try:
             parsed = SpecifierSet(spec)
         except InvalidSpecifier:
-            raise VariantError(f"{where}.sglang: {spec!r} is not a PEP 440 version specifier "
+            raise VariantError(f"{at}: {spec!r} is not a PEP 440 version specifier "
                                f"(e.g. '>=0.5.15,<0.5.23')") from None
         if not len(parsed):
-            raise VariantError(f"{where}.sglang: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
+            raise VariantError(f"{at}: give a PEP 440 version specifier, e.g. '>=0.5.15,<0.5.23'")
         for key in _WHEN_MAPS:
             if key in rule and rule[key] is not None and not isinstance(rule[key], dict):
                 raise VariantError(f"{where}.{key}: must be a mapping")
@@ -114,7 +126,8 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
             raise VariantError(f"{where}: sets nothing; give rename, server_args, env, health or refuse")
         if "note" in rule and not isinstance(rule["note"], str):
             raise VariantError(f"{where}.note: must be text")
-        out.append(dict(rule, sglang=spec.strip(), source=name))
+        rule = {k: v for k, v in rule.items() if k not in ENGINE_KEYS}
+        out.append(dict(rule, engine=engine, spec=spec.strip(), source=name))
     return out
 
 
@@ -160,13 +173,14 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
     merged["name"] = name
     merged["chain"] = list(reversed(chain))
     engine = _engine(merged, name)
+    for rule in merged.get("when") or []:  # a rule keyed on another engine's version never matches
+        if rule["engine"] != engine.name:
+            raise VariantError(f"playbooks/{rule['source']}.yml: a 'when' rule keys on {rule['engine']}'s version "
+                               f"but {name} runs on {engine.name}: key it on {engine.name}: '<specifier>'")
     if engine.name == "sglang":  # as always: sglang variants carry no engine key of their own
         merged.setdefault("template", "launch_sglang.sh.j2")
         merged["health"] = dict(DEFAULT_HEALTH, **(merged.get("health") or {}))
     else:
-        if merged.get("when"):
-            raise VariantError(f"playbooks/{name}.yml: 'when' rules key on sglang's version; a {engine.name} "
-                               f"variant cannot have them yet (give its flags directly)")
         merged.setdefault("template", engine.template)
         merged["health"] = dict(engine.health, **(merged.get("health") or {}))
         merged["crash_signatures"] = list(dict.fromkeys([*(merged.get("crash_signatures") or []),
@@ -203,24 +217,25 @@ def describe_rule(rule: dict) -> str:
     if rule.get("refuse"):
         changes.append(f"REFUSE: {rule['refuse']}")
     note = f" ({rule['note']})" if rule.get("note") else ""
-    return f"{rule.get('source', '?')}.yml when sglang {rule['sglang']}: {' '.join(changes)}{note}"
+    return f"{rule.get('source', '?')}.yml when {rule['engine']} {rule['spec']}: {' '.join(changes)}{note}"
 
 
-def _version(sglang_version: str) -> Version:
+def _version(engine_version: str) -> Version:
     try:
-        return Version(str(sglang_version))
+        return Version(str(engine_version))
     except InvalidVersion:
-        raise VariantError(f"sglang version {sglang_version!r} on the host is not a PEP 440 version; "
+        raise VariantError(f"engine version {engine_version!r} on the host is not a PEP 440 version; "
                            f"'when:' rules cannot be matched against it") from None
 
 
-def matching_rules(variant: dict, sglang_version: str | None) -> list[int]:
-    """Indexes of the `when:` rules whose specifier contains this sglang version (none without one)."""
-    if sglang_version is None:
+def matching_rules(variant: dict, engine_version: str | None) -> list[int]:
+    """Indexes of the `when:` rules whose specifier contains the host's version of the variant's
+    engine (none without one)."""
+    if engine_version is None:
         return []
-    version = _version(sglang_version)
+    version = _version(engine_version)
     return [i for i, rule in enumerate(variant.get("when") or [])
-            if SpecifierSet(rule["sglang"]).contains(version, prereleases=True)]
+            if SpecifierSet(rule["spec"]).contains(version, prereleases=True)]
 
 
 def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
@@ -245,12 +260,12 @@ def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
     return out, applied
 
 
-def resolve(variant: dict, sglang_version: str | None) -> tuple[dict, list[str]]:
-    """The variant as it launches on a host whose sglang is `sglang_version` (None: no sglang):
+def resolve(variant: dict, engine_version: str | None) -> tuple[dict, list[str]]:
+    """The variant as it launches on a host whose engine is `engine_version` (None: not installed):
     every matching `when:` rule merged in (maps merge, null drops a key), and a description of
     each rule that applied. The result has no rules left (`when: []`), so resolving it again is a
     no-op."""
-    return apply_rules(variant, matching_rules(variant, sglang_version))
+    return apply_rules(variant, matching_rules(variant, engine_version))
 
 
 def _probe_versions(rules: list[dict]) -> list[str]:
@@ -259,7 +274,7 @@ def _probe_versions(rules: list[dict]) -> list[str]:
     of ~= and == .* specifiers, and one below them all."""
     points: set[Version] = set()
     for rule in rules:
-        for spec in SpecifierSet(rule["sglang"]):
+        for spec in SpecifierSet(rule["spec"]):
             text = spec.version.rstrip(".*")
             try:
                 v = Version(text)
@@ -278,8 +293,8 @@ def _probe_versions(rules: list[dict]) -> list[str]:
 
 
 def when_branches(variant: dict) -> list[tuple[tuple[int, ...], str | None]]:
-    """Every distinct combination of `when:` rules some sglang version selects, as
-    (rule indexes, an example version), the no-sglang branch ((), None) first."""
+    """Every distinct combination of `when:` rules some version of the engine selects, as
+    (rule indexes, an example version), the not-installed branch ((), None) first."""
     rules = variant.get("when") or []
     seen: dict[tuple[int, ...], str | None] = {(): None}
     for probe in _probe_versions(rules) if rules else []:

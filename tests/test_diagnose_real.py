@@ -18,6 +18,10 @@ MANIFEST = yaml.safe_load((REAL / "manifest.yml").read_text())
 HEALTHY = yaml.safe_load((REAL / "healthy" / "manifest.yml").read_text())
 ISSUES = known_issues()
 CATEGORY = {e["id"]: e["category"] for e in ISSUES}
+# the real vLLM's own crashes, provoked on the lab (tests/test_vllm_e2e.py, README's section):
+# each names its entry, and nothing else is named for it
+MADE_HERE = {"vllm-lab-head-dim-16.log": "attention-backend-unsupported-head-dim",
+             "vllm-lab-max-model-len.log": "context-length-exceeds-model"}
 
 
 def findings(text):
@@ -48,7 +52,7 @@ def test_manifest_readme_and_logs_agree():
 def test_knowledge_base_covers_every_category_from_real_logs():
     assert len(ISSUES) >= 15
     assert {e["category"] for e in ISSUES} == set(CATEGORIES)
-    expected = {e["expect"] for e in MANIFEST}
+    expected = {e["expect"] for e in MANIFEST} | set(MADE_HERE.values())
     for entry in ISSUES:
         assert entry["id"] in expected, f"{entry['id']} has no real log of its own"
         assert entry.get("suggest") or entry.get("link"), f"{entry['id']} gives no next step"
@@ -78,6 +82,16 @@ def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(ca
     found = findings((REAL / case["file"]).read_text())
     hit = next((f for f in found if match(f, ISSUES)), found[0])
     assert re.search(case["root"], hit["root_exception"]), hit["root_exception"]
+
+
+@pytest.mark.parametrize("name,entry", sorted(MADE_HERE.items()))
+def test_a_real_vllm_crash_made_on_the_lab_names_its_known_issue(name, entry):
+    named = {i for hits in hits_of((REAL / name).read_text(errors="replace")) for i in hits[:1]}
+    assert named == {entry}, named
+
+
+def test_every_lab_made_log_has_its_entry():
+    assert set(MADE_HERE) == {p.name for p in REAL.glob("vllm-lab-*.log")}
 
 
 def test_healthy_manifest_and_logs_agree():

@@ -8,7 +8,7 @@ import pytest
 from servops import engines
 from servops.inventory import load_inventory, parse_inventory
 from servops.metrics import parse, summarise
-from servops.playbooks import VariantError, load_variant
+from servops.playbooks import ENGINE_KEYS, VariantError, load_variant, resolve, when_branches
 from servops.render import render_launch
 from tests.conftest import REPO, playbooks_with
 
@@ -81,10 +81,32 @@ def test_an_unknown_engine_is_one_line(tmp_path):
         load_variant("odd", root=books)
 
 
-def test_a_vllm_variant_with_sglang_version_rules_is_refused(tmp_path):
-    books = playbooks_with(tmp_path, ruled="extends: vllm-baseline\nwhen:\n  - {sglang: '>=0.5.14', server_args: {x: 1}}\n")
-    with pytest.raises(VariantError, match=r"playbooks/ruled.yml: 'when' rules key on sglang's version; a vllm"):
-        load_variant("ruled", root=books)
+def test_a_vllm_variant_keys_its_when_rules_on_vllms_version(tmp_path):
+    """`when:` in a vLLM variant matches the host's vllm version (its rules are described as such);
+    a rule keyed on the other engine's version is one line naming the file and what to write."""
+    books = playbooks_with(tmp_path, ruled="""extends: vllm-baseline
+when:
+  - {vllm: '>=0.30', note: V1 only, server_args: {max-num-seqs: 8, enable-prefix-caching: true}}
+  - {vllm: '<0.10', refuse: no V1 engine before vllm 0.10}
+""", mixed="extends: vllm-baseline\nwhen:\n  - {sglang: '>=0.5.14', server_args: {x: 1}}\n",
+        both="extends: vllm-baseline\nwhen:\n  - {sglang: '>=1', vllm: '>=1', server_args: {x: 1}}\n")
+    v = load_variant("ruled", root=books)
+    r, rules = resolve(v, "0.32.0")
+    assert r["server_args"]["max-num-seqs"] == 8 and r["server_args"]["enable-prefix-caching"] is True
+    assert rules == ["ruled.yml when vllm >=0.30: +max-num-seqs=8 +enable-prefix-caching (V1 only)"]
+    assert resolve(v, "0.29.1")[0]["server_args"]["max-num-seqs"] == v["server_args"]["max-num-seqs"]
+    assert resolve(v, "0.9.2")[0]["refuse"] == "no V1 engine before vllm 0.10"
+    assert resolve(v, None)[1] == []  # no vllm on the host: the variant as written
+    assert {k for k, _ex in when_branches(v)} >= {(), (0,), (1,)}
+    with pytest.raises(VariantError, match=r"playbooks/mixed.yml: a 'when' rule keys on sglang's version but "
+                                           r"mixed runs on vllm: key it on vllm:"):
+        load_variant("mixed", root=books)
+    with pytest.raises(VariantError, match=r"when\[0\]: keys on both sglang and vllm"):
+        load_variant("both", root=books)
+
+
+def test_rule_keys_are_the_engines_servops_drives():
+    assert sorted(ENGINE_KEYS) == sorted(engines.ENGINES)
 
 
 def test_a_vllm_launch_ignores_the_hosts_sglang_module_and_files():

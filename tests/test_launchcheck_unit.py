@@ -104,7 +104,7 @@ def test_branches_cover_every_combination_a_version_can_select():
     ("when: {sglang: '>=1'}\n", r"'when' must be a list"),
     ("when: [{sglang: '>=0.5.x', server_args: {a: 1}}]\n",
      r"when\[0\]\.sglang: '>=0\.5\.x' is not a PEP 440 version specifier"),
-    ("when: [{server_args: {a: 1}}]\n", r"when\[0\]\.sglang: give a PEP 440 version specifier"),
+    ("when: [{server_args: {a: 1}}]\n", r"when\[0\]\.sglang \(or \.vllm\): give a PEP 440 version specifier"),
     ("when: [{sglang: '>=1', server_arg: {a: 1}}]\n", r"when\[0\]: unknown key 'server_arg'"),
     ("when: [{sglang: '>=1'}]\n", r"when\[0\]: sets nothing"),
     ("when: [{sglang: '>=1', server_args: [a]}]\n", r"when\[0\]\.server_args: must be a mapping"),

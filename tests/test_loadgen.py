@@ -291,3 +291,43 @@ def test_server_metrics_across_eight_tp_ranks_are_not_summed():
     assert loadgen._metric(snap, "sglang:time_to_first_token_seconds_bucket", le="0.1") == 7
     two_dp = text.replace('tp_rank="0"', 'dp_rank="1",tp_rank="0"')
     assert loadgen._metric(loadgen.parse_prom(two_dp), "sglang:num_running_reqs") == 10  # one per DP group
+
+
+def vllm_stream(texts: list[str], prompt_tokens: int = 32) -> list[bytes]:
+    """A /v1/completions stream as vLLM 0.32 writes it: one chunk per token (text "" while its
+    detokenizer holds back bytes that are not a whole character), then the usage chunk."""
+    out = []
+    for i, text in enumerate(texts):
+        out.append(b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": "length" if i == len(texts) - 1 else None,
+             "stop_reason": None}], "usage": None}).encode() + b"\n\n")
+    out.append(b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [],
+                                       "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(texts),
+                                                 "completion_tokens": len(texts)}}).encode() + b"\n\n")
+    return out + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("empty_is_token,ttft,itls,ok", [
+    (True, 0.1, 6, True),     # vLLM's engine: every chunk is a token, timed as `vllm bench serve` does
+    (False, 0.4, 2, True),    # sglang's bench_serving: only chunks with text are timed
+])
+def test_chunks_of_empty_text_are_tokens_for_an_engine_that_streams_one_per_token(empty_is_token, ttft, itls, ok):
+    texts = ["", "", "", "a", "", "b", "c"]
+    rec = loadgen.new_record({"prompt_len": 32})
+    acc = loadgen.Completion(rec, 7, empty_is_token=empty_is_token)
+    for i, piece in enumerate(vllm_stream(texts)):
+        acc.feed(0.1 * (i + 1), piece)
+    rec = acc.finish()
+    assert rec["ok"] is ok and rec["output_len"] == 7 and rec["usage_source"] == "usage"
+    assert math.isclose(rec["ttft"], ttft) and len(rec["itl"]) == itls
+
+
+def test_a_stream_of_only_empty_text_is_ok_where_empty_text_is_a_token():
+    """The random-weight model's answer to some prompts: 16 tokens that all decode to ''."""
+    for empty_is_token, ok in ((True, True), (False, False)):
+        rec = loadgen.new_record({"prompt_len": 32})
+        acc = loadgen.Completion(rec, 16, empty_is_token=empty_is_token)
+        for i, piece in enumerate(vllm_stream([""] * 16)):
+            acc.feed(0.01 * i, piece)
+        rec = acc.finish()
+        assert rec["ok"] is ok and (ok or rec["error"] == "no tokens streamed")

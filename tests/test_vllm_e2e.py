@@ -3,7 +3,9 @@ the lab host of inventory/lab-vllm.yml on a real sshd, every verb through the re
 
 One flow, in order, on one module-scoped host (a vLLM start costs ~70 s on its first compile):
 deploy vllm-baseline -> check / deploy --dry-run refuse a typo'd flag with vLLM's parser while the
-server runs on, untouched -> bench -> metrics -> the head_dim-16 model as a variant crashes at the
+server runs on, untouched; `when:` rules keyed on vLLM's version apply or refuse -> bench at
+1/4/16 -> metrics -> deploy vllm-eager, bench, compare, rollback -> a small tune campaign over real
+vLLM flags finishes and reports -> the head_dim-16 model as a variant crashes at the
 gate's first request and is rolled back (exit 4), diagnose names it from the real log ->
 --max-model-len above the model's limit is a real startup refusal, rolled back (exit 4) -> stop
 leaves no EngineCore/Worker and the port free."""
@@ -89,7 +91,10 @@ def books(vhost) -> Path:
         vhost["tmp"],
         typo="extends: vllm-baseline\nserver_args: {max-num-seqz: 8}\n",
         hd16=f"extends: vllm-baseline\nserver_args: {{model: {vhost['models']['llama-hd16']}}}\n",
-        toolong="extends: vllm-baseline\nserver_args: {max-model-len: 4096}\n")
+        toolong="extends: vllm-baseline\nserver_args: {max-model-len: 4096}\n",
+        ruled="extends: vllm-baseline\nwhen:\n  - {vllm: '>=0.30', note: V1 scheduler, server_args: {max-num-seqs: 8}}\n"
+              "  - {vllm: '<0.30', server_args: {max-num-seqz: 8}}\n",
+        newer="extends: vllm-baseline\nwhen:\n  - {vllm: '<0.40', refuse: needs the vLLM 0.40 scheduler}\n")
 
 
 def server_pid(root: Path) -> int | None:
@@ -100,7 +105,11 @@ def server_pid(root: Path) -> int | None:
 
 
 def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
-    env = {"SERVOPS_PLAYBOOKS": str(books(vhost))}
+    camps = vhost["tmp"] / "campaigns"
+    camps.mkdir(exist_ok=True)
+    (camps / "lab-vllm.yml").write_text((REPO / "campaigns" / "lab-vllm.yml").read_text())
+    results = vhost["tmp"] / "results"
+    env = {"SERVOPS_PLAYBOOKS": str(books(vhost)), "SERVOPS_RESULTS": str(results), "SERVOPS_CAMPAIGNS": str(camps)}
     port, root = vhost["port"], vhost["root"]
 
     # deploy: the host's own vLLM parser checks the launch, the gate waits for /health, /v1/models
@@ -122,22 +131,35 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
         one_line_error(res, "--max-num-seqz: unrecognized on vllm 0.32.0", "did you mean --max-num-seqs")
         assert server_pid(root) == pid and not port_free(port)
 
-    # bench at 1 and 4 against the real server. Seed 7: the random-weight model answers some
+    # `when:` rules key on vLLM's version: 0.32.0 takes the >=0.30 rule (the <0.30 one, whose typo
+    # would be refused, is another release's branch), and a rule can refuse the release
+    res = run_invoke("check", "--variant", "ruled", inventory=inv, env=env, timeout=300, merged=True)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "ruled.yml when vllm >=0.30: +max-num-seqs=8 (V1 scheduler)" in res.stdout, res.stdout[-3000:]
+    res = run_invoke("check", "--variant", "newer", inventory=inv, env=env, timeout=300)
+    one_line_error(res, "launch of newer refused", "vllm 0.32.0", "needs the vLLM 0.40 scheduler")
+    assert server_pid(root) == pid and not port_free(port)
+
+    # bench at 1, 4 and 16 against the real server. Seed 7: the random-weight model answers some
     # prompts (seeds 1, 3, 4, 5) with 16 tokens that all decode to no text (usage says 16, the
     # text is ''), which the bench rightly counts as "no tokens streamed"; seeds 2, 6, 7, 8 have none
-    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--input-len", "32", "--output-len", "16",
-                     "--warmup", "0", "--seed", "7", inventory=inv, env=env, timeout=600, merged=True)
-    assert res.returncode == 0, res.stdout[-4000:]
-    saved = Path(re.search(r"^saved (\S+\.jsonl)$", res.stdout, re.M).group(1))
-    lines = [json.loads(l) for l in saved.read_text().splitlines()]
-    assert [l["max_concurrency"] for l in lines] == [1, 4]
+    def bench_levels() -> list[dict]:
+        res = run_invoke("bench", "--levels", "1,4,16", "--requests", "16", "--input-len", "32", "--output-len", "16",
+                         "--warmup", "0", "--seed", "7", inventory=inv, env=env, timeout=600, merged=True)
+        assert res.returncode == 0, res.stdout[-4000:]
+        saved = Path(re.search(r"^saved (\S+\.jsonl)$", res.stdout, re.M).group(1))
+        assert saved.is_relative_to(results)
+        return [json.loads(l) for l in saved.read_text().splitlines()]
+
+    lines = bench_levels()
+    assert [l["max_concurrency"] for l in lines] == [1, 4, 16]
     for line in lines:
-        assert line["completed"] == 8 and line["servops"]["failed"] == 0
+        assert line["completed"] == 16 and line["servops"]["failed"] == 0
         assert line["servops"]["engine"]["name"] == "vllm" and line["servops"]["engine"]["version"] == "0.32.0"
         assert line["servops"]["engine"]["model"] == str(vhost["models"]["llama-h256"])
         assert line["output_throughput"] > 0 and line["mean_ttft_ms"] > 0
         sm = line["servops"]["server_metrics"]
-        assert sm.get("generation_tokens", 0) >= 8, sm  # vllm:generation_tokens_total moved
+        assert sm.get("generation_tokens", 0) >= 16, sm  # vllm:generation_tokens_total moved
         assert sm["max_running"] is not None
 
     # metrics: vLLM's own metric names read under servops' keys
@@ -145,9 +167,37 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     assert res.returncode == 0, res.stdout + res.stderr
     row = json.loads(res.stdout)[0]
     assert row["running"] == 0 and row["queued"] == 0 and 0 <= row["token_usage"] <= 1
-    assert row["ttft"]["count"] >= 16 and row["e2e"]["count"] >= 16 and row["ttft"]["p50"] > 0
-    assert row["raw"]["counters"]["generation_tokens"] >= 16 * 8
-    assert row["raw"]["counters"]["prompt_tokens"] >= 16 * 8
+    assert row["ttft"]["count"] >= 48 and row["e2e"]["count"] >= 48 and row["ttft"]["p50"] > 0
+    assert row["raw"]["counters"]["generation_tokens"] >= 48 * 16
+    assert row["raw"]["counters"]["prompt_tokens"] >= 48 * 16
+
+    # the tuning pair: eager mode deployed, benched, compared with the compiled default, rolled back
+    baseline_release = (root / "current").resolve().name
+    res = run_invoke("deploy", "--variant", "vllm-eager", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 0 and "changed - deployed" in res.stdout, res.stdout[-4000:]
+    assert "--enforce-eager" in (root / "current" / "launch.sh").read_text()
+    assert [l["servops"]["failed"] for l in bench_levels()] == [0, 0, 0]
+    res = run_invoke("compare", "vllm-baseline", "vllm-eager", inventory=inv, env=env, timeout=120, merged=True)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "vllm-baseline" in res.stdout and "vllm-eager" in res.stdout and "output tok/s" in res.stdout
+    assert "single run: no noise estimate" in res.stdout
+    res = run_invoke("rollback", inventory=inv, env=env, timeout=900, merged=True)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert (root / "current").resolve().name == baseline_release and not port_free(port)
+    assert "--enforce-eager" not in (root / "current" / "launch.sh").read_text()
+
+    # a small campaign over real vLLM flags: the base, eager mode, a running-sequence cap; each a
+    # real restart, benched, the base left deployed; the report names the trials' flags
+    res = run_invoke("tune", "lab-vllm", "-H", "vllm1", inventory=inv, env=env, timeout=1800, merged=True)
+    assert res.returncode == 0, res.stdout[-5000:]
+    assert "vllm1 : " in res.stdout and "failed" not in res.stdout.splitlines()[-1], res.stdout[-3000:]
+    assert not port_free(port) and "--enforce-eager" not in (root / "current" / "launch.sh").read_text()
+    res = run_invoke("tune.report", "lab-vllm", "-H", "vllm1", inventory=inv, env=env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    md = (results / "vllm1" / "campaigns" / "lab-vllm" / "report.md").read_text()
+    for trial in ("base", "vllm-eager", "seqs-4"):
+        assert trial in md, md
+    assert "--enforce-eager" in md and "--max-num-seqs: 16 -> 4" in md, md
 
     # the head_dim-16 model: /health says 200, the first request kills the engine; rolled back
     before = (root / "current").resolve().name
@@ -161,7 +211,8 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     assert "Unsupported CPU attention configuration" in log
 
     res = run_invoke("diagnose", "--release", failed.name, inventory=inv, env=env, timeout=300, merged=True)
-    assert "head_dim" in res.stdout or "Unsupported CPU attention configuration" in res.stdout, res.stdout[-4000:]
+    assert "Unsupported CPU attention configuration: head_dim=16" in res.stdout, res.stdout[-4000:]
+    assert "matched: attention-backend-unsupported-head-dim (arch-unsupported)" in res.stdout, res.stdout[-4000:]
 
     # --max-model-len above the model's 2048: vLLM's parser takes the number, its startup refuses it
     res = run_invoke("deploy", "--variant", "toolong", inventory=inv, env=env, timeout=900, merged=True)

@@ -29,8 +29,12 @@ ENGINE = Engine(
     counters={"requests": "vllm:request_success", "prompt_tokens": "vllm:prompt_tokens",
               "generation_tokens": "vllm:generation_tokens"},
     # OpenAI /v1/completions; the model is the one /v1/models serves (vLLM refuses any other
-    # name); no cache flush outside vLLM's dev mode
-    request={"endpoint": "/v1/completions", "model": "served", "flush": None, "server_info": None},
+    # name); no cache flush outside vLLM's dev mode. vLLM streams one chunk per token, with empty
+    # text while its detokenizer holds back bytes that are not a whole character yet: such a
+    # chunk is a token (as `vllm bench serve` counts it), or TTFT and TPOT would be measured from
+    # the first chunk that happens to decode to text
+    request={"endpoint": "/v1/completions", "model": "served", "flush": None, "server_info": None,
+             "empty_is_token": True},
     process_names=("VLLM::EngineCore", "VLLM::Worker"),
     crash_signatures=(r"EngineDeadError", r"Unsupported CPU attention configuration"),
 )

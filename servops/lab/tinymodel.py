@@ -16,6 +16,9 @@ Shapes:
   llama-h256  hidden 256, 4 heads of 64 (2 KV heads): vLLM's CPU attention serves it.
   llama-hd16  the same model with 16 heads of 16 (4 KV heads): vLLM's CPU attention refuses
               head_dim 16, but only at the first request, after /health already answers 200.
+  llama-h768  hidden 768, 12 heads of 64 (4 KV heads), 6 layers, ~40M parameters: slow enough
+              per token on a CPU core that the server, not the benchmark client, sets the pace
+              (bench/parity_vllm_bench.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 SHAPES = {
     "llama-h256": {"hidden": 256, "heads": 4, "kv_heads": 2},
     "llama-hd16": {"hidden": 256, "heads": 16, "kv_heads": 4},
+    "llama-h768": {"hidden": 768, "heads": 12, "kv_heads": 4, "layers": 6, "intermediate": 2048},
 }
 COMMON = {"layers": 2, "intermediate": 512, "vocab": 1024, "max_positions": 2048, "seed": 20240}
 

