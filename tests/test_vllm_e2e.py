@@ -137,7 +137,7 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     assert res.returncode == 0, res.stdout[-3000:]
     assert "ruled.yml when vllm >=0.30: +max-num-seqs=8 (V1 scheduler)" in res.stdout, res.stdout[-3000:]
     res = run_invoke("check", "--variant", "newer", inventory=inv, env=env, timeout=300)
-    one_line_error(res, "launch of newer refused", "vllm 0.32.0", "needs the vLLM 0.40 scheduler")
+    one_line_error(res, "newer cannot run on vllm 0.32.0: needs the vLLM 0.40 scheduler")
     assert server_pid(root) == pid and not port_free(port)
 
     # bench at 1, 4 and 16 against the real server. Seed 7: the random-weight model answers some
@@ -197,7 +197,7 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     md = (results / "vllm1" / "campaigns" / "lab-vllm" / "report.md").read_text()
     for trial in ("base", "vllm-eager", "seqs-4"):
         assert trial in md, md
-    assert "--enforce-eager" in md and "--max-num-seqs: 16 -> 4" in md, md
+    assert "--enforce-eager: unset -> on" in md and re.search(r"--max-num-seqs: .* -> 4 ", md), md
 
     # the head_dim-16 model: /health says 200, the first request kills the engine; rolled back
     before = (root / "current").resolve().name
