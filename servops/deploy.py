@@ -418,7 +418,8 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
         return ATTENTION, f"{n0.name} {outcome['state']}: {outcome['reason']} (--no-rollback: left as is){hint}"
     try:
         back = _rollback_locked([n.hs for n in nodes], to=None, failed=[n.name for n in nodes], phases=phases,
-                                owner={"name": n0.name, "id": n0.extra["lock_id"]})
+                                owner={"name": n0.name, "id": n0.extra["lock_id"]},
+                                found=[previous.get(n.hs.host.name) for n in nodes])
     except releases.GuardTookOver:
         raise
     except ServopsError as exc:
@@ -462,8 +463,13 @@ def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
 # ---- rollback --------------------------------------------------------------------------------
 
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
-                     show_diff: bool = False, phases: Phases | None = None, owner: dict | None = None) -> str:
-    """Bring every node back to an earlier release (`to`, or each node's previous healthy one)."""
+                     show_diff: bool = False, phases: Phases | None = None, owner: dict | None = None,
+                     found: list[str | None] | None = None) -> str:
+    """Bring every node back to an earlier release (`to`, or each node's previous healthy one).
+
+    found: after a failed deploy, the release each node ran when the deploy began. It is the one
+    to go back to (as the host's guard does), not the newest healthy release: after a `rollback`
+    or a campaign's `leave:`, newer healthy releases exist that the operator had moved away from."""
     phases = phases or Phases(nodes[0].host.name, nodes[0].redactor)
     targets = []
     for i, hs in enumerate(nodes):
@@ -475,7 +481,11 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
             target = rels[to]
         else:
             anchor = failed[i] if failed else state["current"]
-            target = releases.previous_good(state["releases"], anchor)
+            was = found[i] if found else None
+            if was and was != anchor and rels.get(was, {}).get("status") == "healthy":
+                target = rels[was]
+            else:
+                target = releases.previous_good(state["releases"], anchor)
             if target is None:
                 if failed:
                     for other in nodes:

@@ -112,6 +112,24 @@ def test_2_restart_keeps_the_release_and_a_crash_rolls_back(alab):
     assert f"rolled back to {good}" in res.stderr and current(lab) == good and healthy(port)
 
 
+def test_2_a_failed_deploy_goes_back_to_the_release_that_ran_not_the_newest_healthy_one(alab, tmp_path):
+    """baseline, then piecewise, then `rollback` (baseline runs again); a deploy that never gets
+    healthy goes back to baseline, the release it found running, not to the newer piecewise."""
+    lab, inv, port = alab
+    books = playbooks_with(tmp_path, sick="extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\n"
+                                           "health: {timeout: 4}\n")
+    env = {"SERVOPS_PLAYBOOKS": str(books)}
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
+    first = current(lab)
+    assert run_invoke("deploy", "--variant", "piecewise", inventory=inv, env=env).returncode == 0
+    newer = current(lab)
+    assert run_invoke("rollback", inventory=inv, env=env).returncode == 0 and current(lab) == first
+    res = run_invoke("deploy", "--variant", "sick", inventory=inv, env=env, timeout=300)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert f"rolled back to {first}" in res.stderr and newer not in res.stderr.split("rolled back to")[-1]
+    assert current(lab) == first and healthy(port)
+
+
 def test_2_run_an_ad_hoc_command_per_host(lab):
     inv = lab.inventory(n_hosts=2)
     res = run_invoke("run", "echo hello from $(hostname); exit 0", "-H", "all", inventory=inv)
