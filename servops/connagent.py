@@ -294,6 +294,14 @@ class AgentChannel:
     def recv_exit_status(self) -> int:
         return self._status if self._status is not None else -1
 
+    @property
+    def eof_received(self) -> bool:
+        return self._status is not None  # the agent sends the status once the output is all sent
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
     def close(self) -> None:
         self._sock.close()
 

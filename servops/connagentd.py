@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from .chanend import CommandEnd
 from .connagent import AgentLost, Frames, entry_key, frame, json_frame, peer_pid, peer_uid, release_lock, take_lock
 from .errors import ServopsError
 from .inventory import Host, Inventory, load_inventory
@@ -134,6 +135,7 @@ def _relay(sock: socket.socket, chan, frames: Frames, early: list[tuple[str, byt
     client goes: then the channel is closed, as a direct command's would be)."""
     pending = bytearray()
     stdin_done = shut = False
+    end = CommandEnd()
 
     def take(got: list[tuple[str, bytes]]) -> None:
         nonlocal stdin_done
@@ -164,7 +166,7 @@ def _relay(sock: socket.socket, chan, frames: Frames, early: list[tuple[str, byt
         while chan.recv_stderr_ready():
             sock.sendall(frame("e", chan.recv_stderr(65536)))
             busy = True
-        if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+        if end.reached(chan):
             break
         if not busy:
             # A channel at EOF stays readable: poll it briefly until its exit status comes.

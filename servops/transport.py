@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import interrupt
+from .chanend import CommandEnd
 from .errors import InventoryError, TransportError
 from .inventory import Host, Inventory, lab_hint
 from .redact import Redactor
@@ -62,6 +63,7 @@ def _exec(chan, stdin: str | bytes | None, timeout: float,
         out, err = bytearray(), bytearray()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split across chunks
         pos = 0
+        end = CommandEnd()
         if not data:
             chan.shutdown_write()
         while True:
@@ -86,7 +88,7 @@ def _exec(chan, stdin: str | bytes | None, timeout: float,
                 if len(err) > MAX_OUTPUT:
                     del err[:-KEEP_STREAMED]  # stderr is only ever read for its last lines
                 busy = True
-            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+            if end.reached(chan):
                 break
             if time.monotonic() > deadline:
                 raise CommandTimeout()

@@ -245,6 +245,9 @@ def test_no_persist_connects_directly_and_leaves_nothing(counted, agents):
     assert proxy.connections == 2 and os.listdir(agents.dir) == []
 
 
+LATE_OUTPUT = "(sleep 0.5; echo late) & echo early"
+
+
 def test_commands_through_the_agent_keep_the_direct_contract(counted, agents, monkeypatch):
     """Stdin, exit codes, stderr, timeouts, streaming and the streamed-tail bound, remote
     programs, and a connection lost mid-command: as HostSession.run does directly."""
@@ -265,6 +268,9 @@ def test_commands_through_the_agent_keep_the_direct_contract(counted, agents, mo
         hs = session.host(inv.hosts["lab1"])
         text = "".join(f"line {i}\n" for i in range(400_000))  # 5 MB each way
         assert hs.run("cat", stdin=text, timeout=120).stdout == text
+        # sshd sends the exit status when the shell exits; a child still writing its output
+        # sends the rest after it: the command is over at the channel's EOF, not the status
+        assert hs.run(LATE_OUTPUT).stdout == "early\nlate\n"
         res = hs.run("echo out; echo err >&2; exit 7")
         assert (res.exited, res.stdout, res.stderr) == (7, "out\n", "err\n")
         with pytest.raises(TransportError, match=r"remote command failed \(exit 7\): err"):

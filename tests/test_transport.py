@@ -36,6 +36,20 @@ def test_command_timeout_and_connection_reuse(lab):
         assert hs.run("echo still-here").stdout.strip() == "still-here"
 
 
+def test_output_sent_after_the_exit_status_is_kept(lab):
+    """sshd reports the exit status as the shell exits: output its child writes later still
+    belongs to the command (until the channel's EOF), and a child that keeps the pipe open past
+    the grace does not hold the command forever."""
+    from servops.chanend import EOF_GRACE
+    inv = load_inventory(lab.inventory())
+    with Session(inv) as s:
+        hs = s.host(inv.hosts["lab1"])
+        assert hs.run("(sleep 0.5; echo late) & echo early").stdout == "early\nlate\n"
+        t0 = time.monotonic()
+        res = hs.run("(sleep 30; echo never) & echo early", timeout=20)
+        assert res.stdout == "early\n" and time.monotonic() - t0 < EOF_GRACE + 5
+
+
 def test_connect_refused_and_timeout_are_one_line(lab, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
