@@ -29,7 +29,7 @@ from . import bench, hostfacts, interrupt, localfiles, releases, threadout
 from .campaign import Campaign, Trial
 from .errors import ServopsError, TransportError
 from .output import CHANGED, FAILED, OK, Failed, Recap, console, err_console
-from .tune import DEFAULT_MIN_GAIN, Runner, TuneError, improvement, read_log, standings, trial_states
+from .tune import DEFAULT_MIN_GAIN, Runner, TuneError, improvement, log_path, read_log, trial_states
 
 FLEET_DIR = "_fleet"
 GOOD = ("ok", "infeasible", "pruned", "duplicate")  # outcomes that say nothing against the host
@@ -39,14 +39,24 @@ def fleet_dir(name: str) -> Path:
     return bench.RESULTS_ROOT / FLEET_DIR / name
 
 
-def fleet_hosts(name: str, selected: list[str]) -> list[str] | None:
-    """The hosts that ran campaign `name` together, when several of them are selected (else None)."""
+def fleet_hosts(name: str, selected: list[str] | None) -> list[str] | None:
+    """The hosts that ran campaign `name` together, when several of them are selected (else None);
+    selected None: all of them."""
     try:
         hosts = json.loads((fleet_dir(name) / "fleet.json").read_text()).get("hosts") or []
     except (OSError, ValueError, AttributeError):
         return None
-    ran = [h for h in selected if h in hosts]
-    return ran if len(ran) > 1 else None
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+        return None
+    ran = hosts if selected is None else [h for h in selected if h in hosts]
+    return ran if len(ran) > 1 or selected is None else None
+
+
+def fixed_run(camp: Campaign, entries: list[dict]) -> int:
+    """The fixed trials (and their retries) a host's log says ran: what the budget counts besides the study."""
+    fixed = {t.id for t in camp.trials}
+    return sum(1 for tid, st in trial_states(entries).items() if isinstance(tid, str) and st.done
+               and st.done.get("outcome") != "duplicate" and (tid in fixed or tid.split("-with-")[0] in fixed))
 
 
 # -- pure: the fleet's standings --------------------------------------------------------------------
@@ -138,6 +148,7 @@ class Fleet:
         self.dones: dict[str, dict] = {}       # trial id -> its done entry (with its host)
         self.trials: dict[str, Trial] = {}
         self.dropped: dict[str, str] = {}
+        self.elsewhere = 0   # fixed trials run by hosts of this campaign not in this run (resume)
         self.storage_url = storage_url
         self.study = self.storage = None
         if camp.search != "grid":
@@ -151,6 +162,8 @@ class Fleet:
         host = runner.hs.host.name
         self.runners[host] = runner
         for tid, st in runner.states.items():
+            if not isinstance(tid, str):  # (campaign-wide entries: leave, drift)
+                continue
             start = st.last("start") or {}
             if tid != "base" and not tid.startswith("base-with-"):
                 self.claims.setdefault(tid, host)
@@ -192,7 +205,7 @@ class Fleet:
         from . import study as studymod
 
         with self.lock:
-            return (sum(r.executed for r in self.runners.values())
+            return (self.elsewhere + sum(r.executed for r in self.runners.values())
                     + (studymod.counted(self.study) if self.study is not None else 0))
 
     def started(self, runner: Runner, t: Trial) -> None:
@@ -313,6 +326,7 @@ def run_fleet(inv, hosts: list, camp: Campaign, resume: bool = False, verbose: b
     if record.exists() and not resume:
         raise TuneError(f"{record}: campaign {camp.name} already ran on this fleet: continue with --resume, "
                         f"or start over with --restart")
+    before = (fleet_hosts(camp.name, None) or []) if resume else []  # every host that ran it before
     with Session(inv) as session:
         sessions = {h.name: session.host(h) for h in hosts}
         facts = check_alike(sessions, camp)
@@ -323,8 +337,9 @@ def run_fleet(inv, hosts: list, camp: Campaign, resume: bool = False, verbose: b
         fleet = Fleet(camp, names, url)
         for name in names:
             fleet.add(Runner(sessions[name], camp, resume, verbose, storage, fleet=fleet))
-        localfiles.write_new(record, (json.dumps({"campaign": camp.name, "hosts": names, "facts": facts[names[0]]},
-                                                 indent=1) + "\n").encode())
+        fleet.elsewhere = sum(fixed_run(camp, read_log(log_path(h, camp.name))) for h in before if h not in names)
+        localfiles.write_new(record, (json.dumps({"campaign": camp.name, "hosts": before + [n for n in names if n not in before],
+                                                  "facts": facts[names[0]]}, indent=1) + "\n").encode())
         f0 = facts[names[0]]
         console.print(f"tune {camp.name} on {len(names)} alike hosts ({', '.join(names)}): {f0['gpus']}, "
                       f"{f0['engine']} {f0['engine_version']}, model {f0['model_path']}; one trial per host at a time",

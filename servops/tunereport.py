@@ -199,6 +199,11 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
             if mine:
                 winner = r
             rows.append(r)
+    for r in rows:  # a duplicate of another host's trial: its settings are that trial's
+        twin = next((x for x in rows if r["outcome"] == "duplicate" and x["trial"] == r.get("same_as")
+                     and x["host"] != r["host"]), None)
+        if twin:
+            r.update(flags=twin["flags"], patches=twin["patches"], added_patches=twin.get("added_patches") or [])
     if best is not None:
         base = next((r for r in rows if r["trial"] == f"base@{best['host']}"), None)
     first = next(iter(datas.values()))
