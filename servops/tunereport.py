@@ -358,7 +358,7 @@ def head(camp: Campaign, fleet: bool = False) -> list[str]:
 
 def cells(r: dict, camp: Campaign) -> list[tuple[str, list[str]]]:
     """A trials-table row as (data key, lines): flags one per line, every other cell one line."""
-    return ([("host", [r["host"]])] * ("host" in r) + [("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
+    return ([("host", [r["host"]])] if "host" in r else []) + ([("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
              ("outcome", [_outcome(r)]), ("objective", [objective_cell(r)]), ("vs_base", [vs_base(r)])]
             + [(k, [fmt(r.get(k))]) for k, _t in metric_columns(camp)] + [("verdict", [r["verdict"]])])
 
