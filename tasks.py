@@ -589,13 +589,16 @@ def lab_down(c, hosts=None, inventory=None):
     "verbose": "Also print what each deploy and bench prints (phase lines, the health wait, crash excerpts).",
     "storage": "search: random/tpe: the Optuna study's database URL (postgresql://user@host/db) to share one "
                "study between controllers; default: study.db beside the campaign's trials.jsonl.",
+    "serial": "Several hosts: leave the winner deployed N hosts at a time (default: all at once).",
 })
 def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=False, hosts=None,  # noqa: D417
-             inventory=None, storage=None):
-    """Run a tuning campaign on one host: deploy, bench, diagnose each trial; resumable.
+             inventory=None, storage=None, serial=0):
+    """Run a tuning campaign on one host, or on several alike hosts at once: deploy, bench, diagnose each trial.
 
     Every trial is journaled here and on the host; a crash whose known issue names a patch is
-    retried with it (auto_patch); the best feasible trial (or the base) is left deployed."""
+    retried with it (auto_patch); the best feasible trial (or the base) is left deployed. With
+    several hosts (-H gpu1,gpu2): one trial per host at a time, one study, the hosts checked alike
+    first; the winner is left deployed on every host (--serial N: N at a time). Resumable."""
     from servops import tune
     from servops.campaign import load_campaign
     from servops.errors import ServopsError
@@ -613,16 +616,26 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
         from servops.study import open_study
 
         open_study(camp.name, storage, camp.search, camp.objective.sense, camp.seed, camp.max_trials)  # reachable?
-    inv, host = select_one(inventory, hosts, "tune")
+    inv, targets = select(inventory, hosts)
     if dry_run:
-        run = on_hosts(inventory, host.name, lambda hs: (lambda rows: (
+        run = on_hosts(inventory, ",".join(h.name for h in targets), lambda hs: (lambda rows: (
             CHANGED, f"would run {sum(r['state'] == 'would run' for r in rows)} trial(s) (check mode)", rows))(
             tune.plan_campaign(hs, camp)))
         for h, rows in run.each():
             tune.print_plan(h.name, camp, rows)
         return run.recap
+    if serial and len(targets) == 1:
+        raise ServopsError("--serial: a campaign on one host changes one host; give several with -H")
     if restart:
-        tune.archive_log(host.name, camp.name)
+        for h in targets:
+            tune.archive_log(h.name, camp.name)
+    if len(targets) > 1:
+        from servops import tunefleet
+
+        if restart:
+            tunefleet.archive(camp.name)
+        return tunefleet.run_fleet(inv, targets, camp, resume, verbose, storage, serial or None)
+    host = targets[0]
     def finished(s: dict) -> tuple:
         if not s["changed"]:  # --resume of a campaign that had finished: nothing ran now
             return OK, f"campaign finished earlier (winner {s['winner'] or 'none'}); deployed now: {s['current']}", s
@@ -638,12 +651,19 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
 def tune_report(c, campaign, hosts=None, inventory=None):
     """Write a campaign's report: Markdown and a self-contained HTML page with embedded plots.
 
-    Read from results/<host>/campaigns/<name>/trials.jsonl only: no connection."""
+    Read from results/<host>/campaigns/<name>/trials.jsonl only: no connection. Several hosts that
+    ran the campaign together (-H gpu1,gpu2): one report in results/_fleet/<name>/, a host column."""
     from servops import tunereport
     from servops.campaign import load_campaign
 
     camp = load_campaign(campaign)
     inv, targets = select(inventory, hosts)
+    from servops.tunefleet import fleet_hosts
+
+    fleet = fleet_hosts(camp.name, [h.name for h in targets])
+    if fleet:  # the hosts ran it together: one report, with the host of each trial
+        md, html = tunereport.write_report(fleet[0], camp, fleet=fleet)
+        return VerbRun(inv, targets).local(lambda h: (OK, f"wrote {md} and {html} (the fleet's report)")).recap
     return VerbRun(inv, targets).local(
         lambda h: (lambda md, html: (OK, f"wrote {md} and {html}"))(*tunereport.write_report(h.name, camp))).recap
 

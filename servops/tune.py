@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bench, interrupt, localfiles, releases
+from . import bench, interrupt, localfiles, releases, threadout
 from .campaign import Campaign, Trial, _layer
 from .deploy import deploy_group, preflight
 from .errors import ServopsError
@@ -250,7 +250,7 @@ def held_back(verbose: bool, status: str = ""):
         yield
         return
     live = None
-    if status and is_tty():
+    if status and is_tty() and not threadout.active():  # several workers: no spinner of one
         from rich.live import Live
         from rich.spinner import Spinner
 
@@ -260,7 +260,12 @@ def held_back(verbose: bool, status: str = ""):
         live.start()
     buf = io.StringIO()
     try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        with contextlib.ExitStack() as stack:
+            if threadout.active():  # a fleet campaign's workers hold back their output at once: each its own
+                stack.enter_context(threadout.capture(buf))
+            else:
+                stack.enter_context(contextlib.redirect_stdout(buf))
+                stack.enter_context(contextlib.redirect_stderr(buf))
             yield
     except Exception:
         sys.stderr.write(buf.getvalue())
@@ -350,9 +355,16 @@ def bench_kwargs(camp: Campaign) -> dict:
 
 
 class Runner:
+    """One host's campaign. `fleet` (servops.tunefleet.Fleet): one of several hosts running the
+    campaign at once -- the study, the fixed trials' claims, the budget and the duplicates are
+    the fleet's, and every line this host prints starts with its name."""
+
     def __init__(self, hs: HostSession, camp: Campaign, resume: bool, verbose: bool = False,
-                 storage: str | None = None):
+                 storage: str | None = None, fleet=None):
         self.hs, self.camp, self.verbose, self.resume = hs, camp, verbose, resume
+        self.fleet = fleet
+        self.executed = 0
+        self.current: tuple | None = None   # (trial, its study trial or None) while one runs
         self.path = log_path(hs.host.name, camp.name)
         problems: list[str] = []
         prior = read_log(self.path, problems)
@@ -380,11 +392,17 @@ class Runner:
             from . import study as studymod
 
             localfiles.private_dir(self.path.parent)
-            self.storage_url = storage or studymod.default_url(self.path.parent)
-            self.study, self.storage = studymod.open_study(camp.name, self.storage_url, camp.search,
-                                                           camp.objective.sense, camp.seed, camp.max_trials)
+            if fleet is not None:  # the fleet's one study, opened once
+                self.storage_url, self.study, self.storage = fleet.storage_url, fleet.study, fleet.storage
+            else:
+                self.storage_url = storage or studymod.default_url(self.path.parent)
+                self.study, self.storage = studymod.open_study(camp.name, self.storage_url, camp.search,
+                                                               camp.objective.sense, camp.seed, camp.max_trials)
             self.id_width = max(self.id_width, 12)
             self._rebuild_search_trials()
+        fixed = {t.id for t in self.trials}   # the fixed trials this host ran (the study counts its own)
+        self.executed = sum(1 for s in self.states.values() if s.done and s.done.get("outcome") != "duplicate"
+                            and (self.study is None or s.id in fixed or "-with-" in s.id and s.id.split("-with-")[0] in fixed))
 
     @property
     def total(self) -> int | str:
@@ -448,14 +466,23 @@ class Runner:
 
     # -- output: one line per trial phase ----------------------------------------------------------
 
-    @staticmethod
-    def say(text: str) -> None:
+    def say(self, text: str) -> None:
+        """A line of the campaign's output; in a fleet, after the host's name."""
+        if self.fleet is not None:
+            text = f"{self.hs.host.name:<{self.fleet.name_width}} {text}"
         console.print(text, markup=False, highlight=False)
 
     def phase(self, t: Trial | None, k: int, name: str, text: str) -> None:
         """`[2/7] grid-8   deploy   healthy in 4.5s (...)`; campaign-wide phases leave the trial out."""
         counter = f"[{k}/{self.total}]" if t else ""
         self.say(f"{counter:<7} {t.id if t else '':<{self.id_width}} {name:<8} {text}")
+
+    def used(self) -> int:
+        """Trials the budget has counted: this host's fixed ones run, and the study's (a fleet:
+        every host's)."""
+        if self.fleet is not None:
+            return self.fleet.used()
+        return self.executed + (0 if self.study is None else _study_counted(self.study))
 
     def remaining(self, k: int, executed: int) -> int:
         """Trials left to run after trial k (not done yet), within max_trials."""
@@ -499,6 +526,12 @@ class Runner:
             self._best_release = release
 
     def run(self) -> dict:
+        self.run_trials()
+        return self.finish()
+
+    def run_trials(self) -> None:
+        """Every trial this host runs (a fleet: the fixed trials it claims, then the study's points
+        it asks for), until the budget is spent; the campaign's end (drift, leave) is finish()."""
         self._best_release = (self.best() or {}).get("release") if self.prior else None
         self.ran_now = 0
         if not self.prior:
@@ -507,9 +540,6 @@ class Runner:
                                 "objective": self.camp.objective.written})
             self.pin(releases.ctl(self.hs, "status").get("current"), "current when it started")
         self.preflight_all()
-        fixed = {t.id for t in self.trials}
-        executed = sum(1 for s in self.states.values() if s.done and s.done.get("outcome") != "duplicate"
-                       and (self.study is None or s.id in fixed or "-with-" in s.id and s.id.split("-with-")[0] in fixed))
         stopped = False
         i = 0
         while i < len(self.trials):
@@ -519,8 +549,11 @@ class Runner:
             if state and state.done:
                 self._maybe_queue_retry(t, state.done)
                 continue
-            if self.camp.max_trials is not None and executed >= self.camp.max_trials:
-                self.say(f"tune: budget: {executed} trials run (max_trials {self.camp.max_trials}); stopping")
+            if self.fleet is not None and not self.fleet.claim(self, t):
+                continue  # another host's trial (the base: every host runs its own)
+            used = self.used()
+            if self.fleet is None and self.camp.max_trials is not None and used >= self.camp.max_trials:
+                self.say(f"tune: budget: {used} trials run (max_trials {self.camp.max_trials}); stopping")
                 stopped = True
                 break
             if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
@@ -533,8 +566,18 @@ class Runner:
                                     "same_as": twin, "identity": self.identities.get(t.id)})
                 self.phase(t, i, "done", f"same launch script and patches as {twin}: not run again")
                 continue
-            done = self.run_trial(t, i, state)
-            executed += 1
+            if self.fleet is None:
+                k = i
+                self.executed += 1
+            else:  # the fleet's budget: checked and counted for every host at once
+                k = self.fleet.begin(self, t)
+                if k is None:
+                    self.say(f"tune: budget: {self.used()} trials run (max_trials {self.camp.max_trials}); stopping")
+                    stopped = True
+                    break
+            self.current = (t, None)
+            done = self.run_trial(t, k, state)
+            self.current = None
             self.ran_now += 1
             self.clock.trial_done(done.get("seconds") or 0.0)
             if t.id == "base" and done.get("release"):
@@ -542,15 +585,21 @@ class Runner:
             self.pin_best()
             self._maybe_queue_retry(t, done)
             self.states[t.id] = TrialState(t.id, [done])
+            if self.fleet is not None:
+                self.fleet.finished(self, t, done)
             _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
-            self.phase(t, i, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
-                                     f"{self.clock.eta(self.remaining(i, executed))}")
+            self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
+                                     f"{self.clock.eta(self.remaining(i, self.used()))}")
             if interrupt.requested():
                 raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
-                                f"-H {self.hs.host.name} --resume")
+                                f"-H {self._hosts_flag()} --resume")
+            if self.fleet is not None:
+                self.fleet.still_there(self, done)
         if self.study is not None and not stopped:
-            self._search(executed)
-        return self.finish()
+            self._search()
+
+    def _hosts_flag(self) -> str:
+        return self.fleet.hosts_flag if self.fleet is not None else self.hs.host.name
 
     def _finished_twin(self, t: Trial) -> str | None:
         ident = self.identities.get(t.id)
@@ -581,7 +630,7 @@ class Runner:
 
     # -- search: random / tpe, through the Optuna study ---------------------------------------------
 
-    def _search(self, executed: int) -> None:
+    def _search(self) -> None:
         """Ask the study for points until the budget is spent: each one deployed, benched (pruned
         at a failing level) and told back. A crash that survives auto_patch is a FAIL, never a value."""
         from . import search as searchmod
@@ -589,7 +638,9 @@ class Runner:
         from .campaign import point_trial
 
         if self.resume:
-            for n in studymod.reclaim_own(self.study, self.storage, self.hs.host.name):
+            with self._study_lock():
+                reclaimed = studymod.reclaim_own(self.study, self.storage, self.hs.host.name)
+            for n in reclaimed:
                 self.say(f"tune: study trial #{n} was cut off mid-trial (its controller stopped): marked failed, "
                          "its point asked again")
         self.say(f"tune: search {self.camp.search} (seed {self.camp.seed if self.camp.seed is not None else 'none'}) "
@@ -597,19 +648,21 @@ class Runner:
                  f"{studymod._shown(self.storage_url)}")
         dupes = 0
         while True:
-            used = executed + studymod.counted(self.study)
-            if self.camp.max_trials is not None and used >= self.camp.max_trials:
-                self.say(f"tune: budget: {used} trials run (max_trials {self.camp.max_trials}); stopping")
-                return
             if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
                 self.say(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping")
                 return
-            ot = self.study.ask()
-            space, point = searchmod.suggest(self.camp.spaces, ot)
-            tid = ot.user_attrs.get("tid") or f"s{ot.number:03d}"
-            label = searchmod.point_label(space, point)
-            for key, value in (("tid", tid), ("host", self.hs.host.name), ("label", label)):
-                ot.set_user_attr(key, value)
+            with self._study_lock():  # a fleet: the budget's check and the ask, one host at a time
+                used = self.used()
+                if self.camp.max_trials is not None and used >= self.camp.max_trials:
+                    self.say(f"tune: budget: {used} trials run (max_trials {self.camp.max_trials}); stopping")
+                    return
+                ot = self.study.ask()
+                space, point = searchmod.suggest(self.camp.spaces, ot)
+                tid = ot.user_attrs.get("tid") or f"s{ot.number:03d}"
+                label = searchmod.point_label(space, point)
+                for key, value in (("tid", tid), ("host", self.hs.host.name), ("label", label)):
+                    ot.set_user_attr(key, value)
+            self.current = (None, ot)
             t = point_trial(self.camp.name, space, point, tid, label)
             self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
             k = used + 1
@@ -619,15 +672,20 @@ class Runner:
                 done = self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "refused",
                                            "reason": str(exc), "study_trial": ot.number})
                 self._tell(ot, done)
+                self.current = None
                 self.phase(t, k, "done", f"refused by the launch preflight: {exc}")
+                if self.fleet is not None:
+                    self.fleet.still_there(self, done)  # a host gone refuses every point: it drops out
                 continue
-            twin = self._finished_twin(t)
+            twin = self._finished_twin(t) or (self.fleet.twin(self, t) if self.fleet is not None else None)
             if twin:
                 dupes += 1
                 ot.set_user_attr("same_as", twin)
                 self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "duplicate",
                                     "same_as": twin, "identity": self.identities.get(tid), "study_trial": ot.number})
-                self._tell(ot, self._done_of(twin) or {})
+                self._tell(ot, self._done_of(twin) or (self.fleet.done_of(twin) if self.fleet is not None else None)
+                           or {})
+                self.current = None
                 self.phase(t, k, "done", f"same launch script and patches as {twin}: not run again")
                 if dupes >= 20:
                     self.say("tune: the sampler asked 20 points in a row that had run already: the space is "
@@ -636,6 +694,9 @@ class Runner:
                 continue
             dupes = 0
             self.search_trials.append(t)
+            self.current = (t, ot)
+            if self.fleet is not None:
+                self.fleet.started(self, t)
             from optuna.storages._heartbeat import get_heartbeat_thread
 
             with get_heartbeat_thread(ot._trial_id, self.storage):
@@ -646,26 +707,43 @@ class Runner:
                     self.phase(t, k, "done", self.done_text(done, {}))
                     self._check(retry)
                     self.search_trials.append(retry)
+                    self.current = (retry, ot)
                     done = self.run_trial(retry, k, self.states.get(retry.id), prune=True)
                     self.states[retry.id] = TrialState(retry.id, [done])
                     t = retry
             self._tell(ot, done)
+            self.current = None
             self.ran_now += 1
             self.clock.trial_done(done.get("seconds") or 0.0)
             self.pin_best()
+            if self.fleet is not None:
+                self.fleet.finished(self, t, done)
             _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
             left = None if self.camp.max_trials is None else max(0, self.camp.max_trials - k)
             self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
                                      + (self.clock.eta(left) if left is not None else "until max_wall_time"))
             if interrupt.requested():
                 raise TuneError(f"interrupted after trial {t.id}; continue with invoke tune {self.camp.name} "
-                                f"-H {self.hs.host.name} --resume")
+                                f"-H {self._hosts_flag()} --resume")
+            if self.fleet is not None:
+                self.fleet.still_there(self, done)
+
+    def _study_lock(self):
+        return self.fleet.lock if self.fleet is not None else contextlib.nullcontext()
 
     def _done_of(self, tid: str) -> dict | None:
         return next((e for e in self.done_entries() if e["trial"] == tid), None)
 
     def _tell(self, ot, done: dict) -> None:
         """The trial's outcome, told to the study: a value (with its constraints), PRUNED or FAIL."""
+        from optuna.trial import TrialState as OptunaState
+
+        from . import study as studymod
+
+        with self._study_lock():
+            self._tell_now(ot, done)
+
+    def _tell_now(self, ot, done: dict) -> None:
         from optuna.trial import TrialState as OptunaState
 
         from . import study as studymod
@@ -938,9 +1016,12 @@ class Runner:
                    + (f"drifted {drift:+.1f}% on {self.camp.objective.written} ({num(before)} -> {num(now)})"
                       if drift is not None else "drift not measurable"))
 
-    def _leave(self, winner: dict | None) -> None:
+    def _leave(self, winner: dict | None, trial: Trial | None = None) -> None:
+        """Leave the winner (or the base) deployed. `trial`: the winner's, when another host of the
+        fleet ran it (this host deploys it afresh)."""
         want = "base" if self.camp.leave == "base" or winner is None else winner["trial"]
-        trial = next((t for t in self.trials + self.search_trials if t.id == want), self.camp.trials[0])
+        if want == "base" or trial is None:
+            trial = next((t for t in self.trials + self.search_trials if t.id == want), self.camp.trials[0])
         status = releases.ctl(self.hs, "status")
         rel = status.get("release") or {}
         if rel.get("variant") == trial.variant["name"] and status.get("healthy"):
@@ -977,6 +1058,12 @@ class Runner:
         if theirs.get("name") != done["release"] or any((theirs.get("files") or {}).get(n) != ours.get(n) for n in names):
             return None
         return done["release"]
+
+
+def _study_counted(study) -> int:
+    from . import study as studymod
+
+    return studymod.counted(study)
 
 
 def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False, verbose: bool = False,

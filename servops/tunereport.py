@@ -148,7 +148,7 @@ def constraints_met(row: dict) -> str:
 
 
 def vs_base(row: dict) -> str:
-    return "(base)" if row["trial"] == "base" else "-" if row.get("vs_base") is None else f"{row['vs_base']:+.1f}%"
+    return "(base)" if row["trial"].split("@")[0] == "base" else "-" if row.get("vs_base") is None else f"{row['vs_base']:+.1f}%"
 
 
 def has_intervals(data: dict) -> bool:
@@ -166,6 +166,64 @@ def print_summary(host: str, camp: Campaign) -> None:
     for r in data["rows"]:
         changes = r["flags"] + [f"+ patch {p}" for p in r.get("added_patches") or []]
         t.add_row(r["trial"], "\n".join(changes) or "(same as base)", objective_cell(r), vs_base(r),
+                  constraints_met(r), r["verdict"])
+    print_table(t)
+
+
+def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
+    """A fleet campaign's report data: every host's rows (collect), each with its `host`; the
+    verdicts and the winner the fleet's (each objective relative to its own host's base); each
+    host's base row named base@host."""
+    from .tunefleet import fleet_dir, fleet_winner
+
+    datas, done_by_host = {}, {}
+    for h in hosts:
+        try:
+            datas[h] = collect(h, camp)
+        except FileNotFoundError:
+            continue
+        done_by_host[h] = [s.done for s in trial_states(read_log(log_path(h, camp.name))).values() if s.done]
+    if not datas:
+        raise FileNotFoundError(f"no trials for campaign {camp.name} on {', '.join(hosts)} (run invoke tune "
+                                f"{camp.name} -H {','.join(hosts)} first)")
+    best, verdicts, gain, how = fleet_winner(camp, done_by_host)
+    rows, winner, base = [], None, None
+    for h, data in datas.items():
+        for r in data["rows"]:
+            r = dict(r, host=h)
+            if r["trial"] == "base" or r.get("retry_of") == "base":
+                r["trial"] = f"{r['trial']}@{h}"
+            mine = best is not None and best["host"] == h and best["trial"] == r["trial"].split("@")[0]
+            if r["outcome"] == "ok":
+                r["verdict"] = ("WINNER; " if mine else "") + verdicts.get((h, r["trial"].split("@")[0]), "")
+            if mine:
+                winner = r
+            rows.append(r)
+    for r in rows:  # a duplicate of another host's trial: its settings are that trial's
+        twin = next((x for x in rows if r["outcome"] == "duplicate" and x["trial"] == r.get("same_as")
+                     and x["host"] != r["host"]), None)
+        if twin:
+            r.update(flags=twin["flags"], patches=twin["patches"], added_patches=twin.get("added_patches") or [])
+    if best is not None:
+        base = next((r for r in rows if r["trial"] == f"base@{best['host']}"), None)
+    first = next(iter(datas.values()))
+    return {"campaign": camp, "host": ", ".join(datas), "rows": rows, "winner": winner, "base": base,
+            "drift": None, "leave": first["leave"], "log": fleet_dir(camp.name) / "fleet.json",
+            "problems": [p for d in datas.values() for p in d["problems"]], "min_gain": gain, "min_gain_how": how,
+            "fleet": True, "drifts": {h: d["drift"] for h, d in datas.items() if d["drift"]}}
+
+
+def print_fleet_summary(hosts: list[str], camp: Campaign) -> None:
+    """The table a fleet campaign ends with: as one host's, with the host that ran each trial."""
+    from .output import print_table, table
+
+    data = collect_fleet(hosts, camp)
+    t = table(f"fleet {', '.join(hosts)}: campaign {camp.name}: {camp.objective.sense} {camp.objective.written} "
+              f"(vs base: its own host's base), min_gain {data['min_gain'] * 100:.1f}% ({data['min_gain_how']})",
+              ["host", "trial", "changed vs base", camp.objective.written, "vs base", "constraints", "verdict"])
+    for r in data["rows"]:
+        changes = r["flags"] + [f"+ patch {p}" for p in r.get("added_patches") or []]
+        t.add_row(r["host"], r["trial"], "\n".join(changes) or "(same as base)", objective_cell(r), vs_base(r),
                   constraints_met(r), r["verdict"])
     print_table(t)
 
@@ -293,14 +351,14 @@ def _code(value) -> str:
     return " ".join(str(value).replace("`", "'").split())
 
 
-def head(camp: Campaign) -> list[str]:
-    return (["trial", "flags vs base", "patches", "outcome", camp.objective.written, "vs base"]
+def head(camp: Campaign, fleet: bool = False) -> list[str]:
+    return (["host"] * fleet + ["trial", "flags vs base", "patches", "outcome", camp.objective.written, "vs base"]
             + [t for _k, t in metric_columns(camp)] + ["verdict"])
 
 
 def cells(r: dict, camp: Campaign) -> list[tuple[str, list[str]]]:
     """A trials-table row as (data key, lines): flags one per line, every other cell one line."""
-    return ([("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
+    return ([("host", [r["host"]])] if "host" in r else []) + ([("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
              ("outcome", [_outcome(r)]), ("objective", [objective_cell(r)]), ("vs_base", [vs_base(r)])]
             + [(k, [fmt(r.get(k))]) for k, _t in metric_columns(camp)] + [("verdict", [r["verdict"]])])
 
@@ -347,7 +405,8 @@ def markdown(data: dict) -> str:
     w = data["winner"]
     lines += [f"- **winner: {_md(w['trial'])}** ({_md(w['label'])}): {camp.objective.written} = {objective_cell(w)}"
               if w else "- no trial met every constraint", ""]
-    lines += ["| " + " | ".join(head(camp)) + " |", "|" + "---|" * len(head(camp))]
+    columns = head(camp, bool(data.get("fleet")))
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in data["rows"]:
         lines.append("| " + " | ".join("<br>".join(_md(x) for x in text) for _k, text in cells(r, camp)) + " |")
     lines += ["", _footnote(data), ""]
@@ -418,7 +477,8 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
     out.append(f"<p id='winner' data-trial='{e(w['trial'])}'><b>Winner: {e(w['trial'])}</b> ({e(w['label'])}): "
                f"{e(camp.objective.written)} = {e(objective_cell(w))}</p>" if w
                else "<p id='winner'>No trial met every constraint.</p>")
-    out.append("<table id='trials'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head(camp)) + "</tr>")
+    out.append("<table id='trials'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head(camp, bool(data.get("fleet"))))
+               + "</tr>")
     for r in data["rows"]:
         cls = "winner" if w and r["trial"] == w["trial"] else ("bad" if r["outcome"] not in ("ok",) else "")
         tds = []
@@ -426,7 +486,8 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
             body = ("".join(f"<div class='flag'>{e(x)}</div>" for x in text) if key == "flags" else e(text[0])
                     + (f"<br><small>{e(r['label'])}</small>" if key == "trial" else ""))
             tds.append(f"<td{' class=num' if key in _NUMERIC else ''} data-key='{key}'>{body}</td>")
-        out.append(f"<tr class='{cls}' data-trial='{e(r['trial'])}'>" + "".join(tds) + "</tr>")
+        host = f" data-host='{e(r['host'])}'" if "host" in r else ""
+        out.append(f"<tr class='{cls}' data-trial='{e(r['trial'])}'{host}>" + "".join(tds) + "</tr>")
     out.append(f"</table><p id='footnote'><small>{e(_footnote(data))}</small></p>")
     out.append("<h2>Pareto front per level</h2><ul id='pareto'>")
     for lv, front in pareto_by_level(data).items():
@@ -463,10 +524,12 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
     return "\n".join(out)
 
 
-def write_report(host: str, camp: Campaign) -> tuple[Path, Path]:
+def write_report(host: str, camp: Campaign, fleet: list[str] | None = None) -> tuple[Path, Path]:
+    """One host's report beside its trials.jsonl; `fleet` (its hosts): the fleet campaign's,
+    in results/_fleet/<name>/, with the host of each trial."""
     from .output import err_console
 
-    data = collect(host, camp)
+    data = collect_fleet(fleet, camp) if fleet else collect(host, camp)
     for line in data["problems"]:
         err_console.print(f"warning: {line}", markup=False, highlight=False)
     pngs = plots(data)
