@@ -66,6 +66,8 @@ def encode(value):
 
 
 def decode(value):
+    if value == argparse.SUPPRESS:
+        return argparse.SUPPRESS  # argparse tests it by identity
     if isinstance(value, dict):
         return value["json"] if "json" in value else _Shown(str(value.get("text")))
     return value
@@ -192,7 +194,7 @@ def parser_of(table):
         action = cls.__new__(cls)
         metavar = row["metavar"]
         action.__dict__.update({
-            "option_strings": [str(o) for o in row["option_strings"]], "dest": str(row["dest"]),
+            "option_strings": [str(o) for o in row["option_strings"]], "dest": decode(str(row["dest"])),
             "nargs": row["nargs"], "const": decode(row["const"]), "default": decode(row["default"]),
             "type": _TYPE_OF[row["type"]], "choices": row["choices"], "required": bool(row["required"]),
             "help": None, "metavar": tuple(metavar) if isinstance(metavar, list) else metavar,
