@@ -44,7 +44,8 @@ class LaunchCheck:
     variant_name: str
     sglang_version: str | None          # the host's installed sglang (None: not installed)
     static: bool                        # True: checked by reading sglang's source, not by importing it
-    parser: str | None                  # "real", "static", or None (nothing to check against)
+    parser: str | None                  # "real", "cached" (the real parser's flag table, kept on the
+                                        # host), "static", or None (nothing to check against)
     rules: list[str]                    # the `when:` rules that applied, described
     variant: dict                       # the variant resolved for this host's sglang
     argv: list[str]                     # the launch argv that was checked
@@ -67,7 +68,8 @@ class LaunchCheck:
     def summary(self) -> str:
         """One line for the recap."""
         e = self.engine
-        how = {"real": f"{e}'s parser", "static": f"static check of {e}'s source", None: "not checked"}[self.parser]
+        how = {"real": f"{e}'s parser", "cached": f"{e}'s parser, cached", "static": f"static check of {e}'s source",
+               None: "not checked"}[self.parser]
         rules = f", {len(self.rules)} rule(s)" if self.rules else ""
         if not self.ok:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
@@ -208,7 +210,7 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
                    "gpus_needed": facts.get("gpus_needed"),
                    "cuda_visible_devices": (branch.get("env") or {}).get("CUDA_VISIBLE_DEVICES"),
                    "values": result.get("values") or {}, "parser_actions": info.get("actions"),
-                   "prog": info.get("prog")}
+                   "prog": info.get("prog"), "parser_cache": info.get("cache")}
     problems: list[str] = []
     warnings: list[str] = []
     refused = refusal_line(check.variant_name, version, resolved, e)
@@ -290,8 +292,11 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
     rows = []
     ver = check.sglang_version or "not installed"
     how = {"real": f"real parser ({f.get('parser_actions')} flags, prog {f.get('prog')!r})",
+           "cached": f"real parser's cached flag table ({f.get('parser_actions')} flags, prog {f.get('prog')!r})",
            "static": f"STATIC check of its source ({f.get('parser_actions')} flags)", None: "not checked"}[check.parser]
     rows.append((check.engine, f"{ver}: {how}"))
+    if f.get("parser_cache"):
+        rows.append(("parser cache", str(f["parser_cache"])))
     rows.append(("python", f"{f.get('python')} ({f.get('python_version')})"))
     model = f.get("model")
     if model:

@@ -16,7 +16,8 @@ from typing import Mapping
 
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
-_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"], "launch_check": ["procs", "sglang_args", "launch_facts"],
+_INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
+             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts"],
              "host_facts": ["procs", "launch_facts"],
              "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "launch_facts"],
              "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"]}

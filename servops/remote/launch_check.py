@@ -1,8 +1,14 @@
 # Launch preflight: validate rendered launch argvs with the host's OWN sglang parser (sglang_args,
 # included before this file), plus the facts a launch needs: the model path, the port, the GPUs.
 #
-# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only"}
-# Reply: {"python", "sglang": {"version", "package", "parser", "note", "prog", "actions", "unchecked"},
+# The real parser's flag table is cached per venv and installed sglang (argtable, launch_cache):
+# a later check validates against it without importing sglang (parser "cached"); where the
+# table cannot decide (a custom action, a value of a custom type not seen before) or the cache
+# is stale or damaged, the real parser runs and the cache is rewritten.
+#
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache"}
+# Reply: {"python", "sglang": {"version", "package", "parser": real|cached|static, "note", "prog",
+#         "actions", "unchecked", "cache": the cache's state},
 #         "branches": {id: validate() result + "facts"}, "port": {...}, "gpus": {...} | None,
 #         "timings": {...}}
 import json as _json
@@ -64,88 +70,189 @@ def gpus_needed(values):
         return None
 
 
+def _import_parser(pkg, info, timings, env=None):
+    """sglang's real parser (or, where it does not import, the static one): (parser, how)."""
+    saved = _stdout_to_stderr()
+    base = dict(os.environ)
+    try:
+        if env:
+            os.environ.update(env)  # sglang reads some SGLANG_* variables while it builds the parser
+        t = time.time()
+        if ARGS.get("allow_real", True):
+            try:
+                return real_parser(pkg), "real"
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                if env:
+                    return None, None
+                info["note"] = "importing sglang failed: %s" % _one_line(exc)
+            finally:
+                timings["import_s"] = round(timings.get("import_s", 0) + time.time() - t, 3)
+        else:
+            info["note"] = "static check requested"
+        if env:
+            return None, None
+        t = time.time()
+        try:
+            return static_parser(pkg), "static"
+        except Exception as exc:
+            info["note"] = (info["note"] + "; " if info["note"] else "") + \
+                "reading its source failed too: %s" % _one_line(exc)
+            return None, None
+        finally:
+            timings["static_s"] = round(time.time() - t, 3)
+    finally:
+        _restore_stdout(saved)
+        if env:
+            os.environ.clear()
+            os.environ.update(base)
+
+
+class _Cache(object):
+    """The parser cache for this venv's sglang (launch_cache): one table per engine environment."""
+
+    def __init__(self, pkg, root, base_env):
+        self.pkg, self.root, self.base_env = pkg, root, base_env
+        self.record, self.off = engine_record(CACHE_DIST, pkg)
+        self.tables, self.states, self.memos = {}, {}, {}
+
+    def key(self, env):
+        return cache_key("sglang", self.record, self.pkg, parser_sources(self.pkg),
+                         engine_env(dict(self.base_env, **env), CACHE_ENV_PREFIXES))
+
+    def parser(self, env):
+        """The cached parser for this environment, or None (the state says why)."""
+        key = self.key(env)
+        path = cache_path(self.root, key)
+        if path not in self.tables:
+            table, state = load(path, key)
+            parser = None
+            if table is not None:
+                try:
+                    parser = parser_of(table)
+                except Exception as exc:  # a table of the right schema that is not one
+                    state = "damaged: %s" % type(exc).__name__
+            self.tables[path] = (table, parser)
+            self.states[path] = state
+        return self.tables[path][1]
+
+    def memo(self, env):
+        key = self.key(env)
+        path = cache_path(self.root, key)
+        if path not in self.memos:
+            old = (self.tables.get(path) or (None, None))[0]
+            self.memos[path] = dict((old or {}).get("memo") or {})
+        return self.memos[path]
+
+    def save(self, env, parser):
+        key = self.key(env)
+        path = cache_path(self.root, key)
+        table = table_of(parser, self.memo(env))
+        if table is None:
+            return "sglang's parser cannot be kept as a table"
+        return store(path, key, table)
+
+
+def _engine_env_changed(base_env, env):
+    return any(base_env.get(k) != v for k, v in env.items() if k.startswith(CACHE_ENV_PREFIXES))
+
+
+def _validate_all(branches, version, base, how, base_env, cache, pkg, info, timings):
+    """{branch id: validate() result}; raises Undecidable where a cached table cannot decide."""
+    results = {}
+    by_env = {}
+    for branch in branches:
+        argv = [str(a) for a in branch.get("argv") or []]
+        env = dict((str(k), str(v)) for k, v in (branch.get("env") or {}).items())
+        parser = base
+        if how == "cached" and _engine_env_changed(base_env, env):
+            parser = cache.parser(env)
+            if parser is None:
+                raise Undecidable("no cached table for this branch's SGLANG_* environment")
+        elif how == "real" and any(base_env.get(k) != v for k, v in env.items()):
+            ident = _json.dumps(sorted(env.items()))
+            if ident not in by_env:
+                rebuilt, _how = _import_parser(pkg, info, timings, env)
+                if rebuilt is not None and cache is not None:
+                    record_values(rebuilt, cache.memo(env))
+                by_env[ident] = (rebuilt or base, env if rebuilt is not None else None)
+            parser = by_env[ident][0]
+        saved = _stdout_to_stderr()
+        try:
+            results[branch.get("id", str(len(results)))] = validate(parser, argv, version, keep=_KEEP)
+        finally:
+            _restore_stdout(saved)
+    return results, [v for v in by_env.values() if v[1] is not None]
+
+
 def main():
     root = os.path.realpath(os.path.expanduser(ARGS.get("deploy_root") or "~/.servops/deploy"))
     pkg = sglang_package()
     version = sglang_version(pkg) if pkg else None
     info = {"version": version, "package": pkg, "parser": None, "note": None, "prog": None, "actions": 0,
-            "unchecked": [], "skipped": []}
+            "unchecked": [], "skipped": [], "cache": None}
     timings = {}
     out = {"python": sys.executable, "python_version": "%d.%d.%d" % sys.version_info[:3], "sglang": info,
            "branches": {}}
     base_env = dict(os.environ)
-    parsers = {}
     if ARGS.get("version_only"):
         out["timings"] = {"host_s": round(time.time() - _T0, 3)}
         reply(out)
         return
-    if pkg:
-        saved = _stdout_to_stderr()
-        try:
-            t = time.time()
-            how = None
-            if ARGS.get("allow_real", True):
-                try:
-                    parsers[None] = real_parser(pkg)
-                    how = "real"
-                except BaseException as exc:
-                    if isinstance(exc, KeyboardInterrupt):
-                        raise
-                    info["note"] = "importing sglang failed: %s" % _one_line(exc)
-            else:
-                info["note"] = "static check requested"
-            timings["import_s"] = round(time.time() - t, 3)
-            if how is None:
-                t = time.time()
-                try:
-                    parsers[None] = static_parser(pkg)
-                    how = "static"
-                except Exception as exc:
-                    info["note"] = (info["note"] + "; " if info["note"] else "") + \
-                        "reading its source failed too: %s" % _one_line(exc)
-                timings["static_s"] = round(time.time() - t, 3)
-        finally:
-            _restore_stdout(saved)
-        info["parser"] = how
-        if how:
-            p = parsers[None]
-            info["prog"] = p.prog
-            info["actions"] = len(p._actions)
-            info["unchecked"] = list(getattr(p, "servops_unchecked", []))
-            info["skipped"] = list(getattr(p, "servops_skipped", []))
-    t = time.time()
-    for branch in ARGS.get("branches") or []:
-        argv = [str(a) for a in branch.get("argv") or []]
-        env = dict((str(k), str(v)) for k, v in (branch.get("env") or {}).items())
-        result = {"ok": None, "problems": [], "warnings": [], "values": {}}
-        if info["parser"]:
-            parser = parsers[None]
-            changed = any(base_env.get(k) != v for k, v in env.items())
-            if changed and info["parser"] == "real":
-                # sglang reads some SGLANG_* variables while it builds the parser (choices)
-                os.environ.update(env)
-                saved = _stdout_to_stderr()
-                try:
-                    parser = real_parser(pkg)
-                except BaseException:
-                    parser = parsers[None]
-                finally:
-                    _restore_stdout(saved)
-                    os.environ.clear()
-                    os.environ.update(base_env)
-            saved = _stdout_to_stderr()
-            try:
-                result = validate(parser, argv, version, keep=_KEEP)
-            finally:
-                _restore_stdout(saved)
+    branches = ARGS.get("branches") or []
+    parser, how, results, cache = None, None, None, None
+    if pkg and ARGS.get("allow_real", True) and ARGS.get("cache", True):
+        t = time.time()
+        cache = _Cache(pkg, root, base_env)
+        if cache.record is None:
+            info["cache"] = "off: %s" % cache.off
+            cache = None
         else:
-            result["values"] = _values_without_parser(argv)
+            parser = cache.parser({})
+            info["cache"] = cache.states[cache_path(root, cache.key({}))]
+            if parser is not None:
+                try:
+                    results, _envs = _validate_all(branches, version, parser, "cached", base_env, cache, pkg,
+                                                   info, timings)
+                    how = "cached"
+                except Undecidable as exc:
+                    info["cache"] = "undecided: %s" % _one_line(exc)
+                    parser = None
+        timings["cache_s"] = round(time.time() - t, 3)
+    if pkg and how is None:
+        parser, how = _import_parser(pkg, info, timings)
+        if how == "real" and cache is not None:
+            record_values(parser, cache.memo({}))
+        if parser is not None:
+            results, envs = _validate_all(branches, version, parser, how, base_env, cache, pkg, info, timings)
+            if how == "real" and cache is not None:
+                t = time.time()
+                why = cache.save({}, parser)
+                for rebuilt, env in envs:
+                    why = why or cache.save(env, rebuilt)
+                info["cache"] = "%s; %s" % (info["cache"], "written" if why is None else "not written: %s" % why)
+                timings["cache_write_s"] = round(time.time() - t, 3)
+    info["parser"] = how
+    if parser is not None:
+        info["prog"] = parser.prog
+        info["actions"] = len(parser._actions)
+        info["unchecked"] = list(getattr(parser, "servops_unchecked", []))
+        info["skipped"] = list(getattr(parser, "servops_skipped", []))
+    t = time.time()
+    for branch in branches:
+        argv = [str(a) for a in branch.get("argv") or []]
+        ident = branch.get("id", str(len(out["branches"])))
+        if results is not None:
+            result = results[ident]
+        else:
+            result = {"ok": None, "problems": [], "warnings": [], "values": _values_without_parser(argv)}
         values = result.get("values") or {}
         model = model_fact(values.get("model_path"))
         if model and model.get("architectures") and pkg:
             model["missing_architectures"] = missing_architectures(pkg, model["architectures"])
         result["facts"] = {"model": model, "gpus_needed": gpus_needed(values)}
-        out["branches"][branch.get("id", str(len(out["branches"])))] = result
+        out["branches"][ident] = result
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
     out["gpus"] = gpu_fact()

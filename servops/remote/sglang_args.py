@@ -114,6 +114,26 @@ def launcher_prog(pkg_dir):
     return "launch_server.py"
 
 
+# ------------------------------------------------------------------- what the parser cache keys on
+
+# launch_cache keeps the flag table of sglang's real parser per venv and installed sglang: keyed
+# by the RECORD of this distribution, the files the parser is built from, and the environment
+# variables sglang reads (some choices depend on SGLANG_* variables).
+CACHE_DIST = "sglang"
+CACHE_ENV_PREFIXES = ("SGLANG_", "SGL_")
+
+
+def parser_sources(pkg_dir):
+    """The files ServerArgs.add_cli_args is read from (server_args.py and, 0.5.2x, arg_groups/)."""
+    files = [_server_args_file(pkg_dir)]
+    groups = os.path.join(pkg_dir, "srt", "arg_groups")
+    try:
+        files.extend(os.path.join(groups, n) for n in sorted(os.listdir(groups)) if n.endswith(".py"))
+    except OSError:
+        pass
+    return files
+
+
 # ----------------------------------------------------------------------------- the parsers
 
 def real_parser(pkg_dir=None):

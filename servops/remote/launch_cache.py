@@ -1,0 +1,171 @@
+# The launch preflight's parser cache on the host: the flag table (argtable) an engine's real
+# parser produced, kept per venv and per installed engine, so the next check needs no import.
+# Standard library only; engine-neutral (the engine's program names its distribution, package
+# directory, the files its parser is read from and the environment variables it reads).
+#
+# One file per (engine, python executable, venv, engine environment) under
+# <deploy root>/.launch-cache/, named by a hash of those; it holds the KEY it was written
+# under: the sha256 of the engine distribution's RECORD (its dist-info), the python version,
+# the venv's real path, the package's real path, the size and mtime of the parser's own source
+# files, and the names of every installed distribution on sys.path (a dependency upgraded in
+# place changes them). Any difference: stale, the real parser is asked and the file rewritten.
+# Written atomically (temp file + rename), 0600, never through a symlink (a symlink in its
+# place is replaced, not followed), at most MAX_BYTES; at most MAX_FILES files in the folder.
+# A file that is missing, a symlink, too big, not JSON or of another schema: ignored, rewritten.
+import hashlib
+import json as _cjson
+import os
+import sys
+
+try:  # python 3.8+
+    import importlib.metadata as _metadata
+except ImportError:  # pragma: no cover
+    _metadata = None
+
+CACHE_SCHEMA = 1
+CACHE_DIR = ".launch-cache"
+MAX_BYTES = 4 * 1024 * 1024
+MAX_FILES = 32
+
+
+def _sha(text):
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _installed_names():
+    names = []
+    for entry in sys.path:
+        try:
+            if entry and os.path.isdir(entry):
+                names.extend(n for n in os.listdir(entry) if n.endswith((".dist-info", ".egg-info")))
+        except OSError:
+            continue
+    return sorted(names)
+
+
+def engine_record(dist_name, pkg_dir):
+    """(sha256 of the RECORD of the distribution whose files ARE pkg_dir, None) or (None, why)."""
+    if _metadata is None:
+        return None, "no importlib.metadata"
+    try:
+        dist = _metadata.distribution(dist_name)
+        record = dist.read_text("RECORD")
+        located = os.path.realpath(str(dist.locate_file(os.path.basename(pkg_dir))))
+    except Exception as exc:
+        return None, "no %s distribution metadata (%s)" % (dist_name, type(exc).__name__)
+    if not record:
+        return None, "%s has no RECORD in its dist-info" % dist_name
+    if located != pkg_dir:
+        return None, "the %s that imports (%s) is not the installed distribution's (%s)" % (dist_name, pkg_dir, located)
+    return hashlib.sha256(record.encode("utf-8", "surrogateescape")).hexdigest(), None
+
+
+def engine_env(env, prefixes):
+    """The environment variables an engine may read while it builds its parser."""
+    return dict((k, v) for k, v in env.items() if k.startswith(tuple(prefixes)))
+
+
+def cache_key(engine, record_sha, pkg_dir, watched, env):
+    """What the cached table depends on (a dict; equal dicts: the table still stands)."""
+    stats = []
+    for path in watched:
+        try:
+            st = os.stat(path)
+            stats.append([path, st.st_size, st.st_mtime_ns])
+        except OSError:
+            stats.append([path, None, None])
+    return {"schema": CACHE_SCHEMA, "engine": engine, "record_sha256": record_sha,
+            "python": sys.version, "executable": os.path.realpath(sys.executable),
+            "venv": os.path.realpath(sys.prefix), "package": pkg_dir, "sources": stats,
+            "installed_sha256": _sha("\n".join(_installed_names())),
+            "env_sha256": _sha(_cjson.dumps(sorted(env.items())))}
+
+
+def cache_path(root, key):
+    ident = _sha(_cjson.dumps([key["engine"], key["executable"], key["venv"], key["env_sha256"]]))
+    return os.path.join(root, CACHE_DIR, "%s-%s.json" % (key["engine"], ident[:24]))
+
+
+def load(path, key):
+    """(table or None, state): state is hit, missing, stale or damaged (a reason after ': ')."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if os.path.islink(path):
+            return None, "damaged: a symlink in the cache file's place (not followed)"
+        return None, "missing" if not os.path.lexists(path) else "damaged: %s" % exc.strerror
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            import stat as _stat
+            if not _stat.S_ISREG(st.st_mode):
+                return None, "damaged: not a regular file"
+            if st.st_size > MAX_BYTES:
+                return None, "damaged: %d bytes (at most %d)" % (st.st_size, MAX_BYTES)
+            data = _cjson.loads(fh.read(MAX_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return None, "damaged: %s" % type(exc).__name__
+    if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("table"), dict):
+        return None, "damaged: not a launch cache of schema %d" % CACHE_SCHEMA
+    if data.get("key") != key:
+        old = data.get("key") if isinstance(data.get("key"), dict) else {}
+        what = [k for k in sorted(key) if old.get(k) != key[k]]
+        return None, "stale: %s changed" % ", ".join(what[:4])
+    return data["table"], "hit"
+
+
+def store(path, key, table):
+    """Write the table under its key (atomically, 0600); returns None or why it was not written."""
+    text = _cjson.dumps({"schema": CACHE_SCHEMA, "key": key, "table": table}, sort_keys=True)
+    if len(text) > MAX_BYTES:
+        return "table of %d bytes is over the cache's %d" % (len(text), MAX_BYTES)
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if os.path.islink(folder) or not os.path.isdir(folder):
+            return "%s is not a folder servops owns (a symlink?)" % folder
+        _evict(folder, keep=os.path.basename(path))
+        _write_atomic(path, text.encode("utf-8"))
+    except OSError as exc:
+        return "cannot write %s: %s" % (path, exc.strerror or exc)
+    return None
+
+
+def _evict(folder, keep):
+    """At most MAX_FILES cache files: the oldest go first."""
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".json") and n != keep]
+    except OSError:
+        return
+    if len(names) < MAX_FILES:
+        return
+    aged = []
+    for n in names:
+        try:
+            aged.append((os.lstat(os.path.join(folder, n)).st_mtime, n))
+        except OSError:
+            continue
+    for _m, n in sorted(aged)[:len(aged) - MAX_FILES + 1]:
+        try:
+            os.unlink(os.path.join(folder, n))
+        except OSError:
+            pass
+
+
+def _write_atomic(path, data):
+    """A synced private temp file (O_EXCL, O_NOFOLLOW, 0600) renamed over `path`: a reader sees
+    the old or the new file, and a symlink in its place is replaced, never written through."""
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
