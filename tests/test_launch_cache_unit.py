@@ -182,6 +182,13 @@ def test_store_then_load_private_and_atomic(tmp_path):
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no temp file left
 
 
+def test_a_host_without_a_deploy_root_is_left_as_it_was(tmp_path):
+    root = tmp_path / "never-deployed"
+    path = lc.cache_path(str(root), key())
+    assert "no deploy root" in lc.store(path, key(), TABLE)
+    assert not root.exists() and lc.load(path, key()) == (None, "missing")
+
+
 def test_a_changed_key_is_stale_and_says_what_changed(tmp_path):
     path = lc.cache_path(str(tmp_path), key())
     lc.store(path, key(), TABLE)

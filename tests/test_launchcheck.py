@@ -1,8 +1,13 @@
 """`invoke check` over real sshd on the plain lab venv (no sglang: the double is the server)."""
 
 import json
+import os
+import shutil
 import socket
+import stat
 import time
+
+import pytest
 
 from servops.lab.sshd import free_port
 from conftest import playbooks_with, run_invoke
@@ -131,3 +136,49 @@ def test_several_hosts_get_one_compact_table_and_v_gives_each_hosts_detail(lab, 
     assert max(len(l) for l in out.splitlines()) < 300
     # --verbose: each host's own detail table, as one host gets by default
     assert verbose.stdout.count("launch check of typo") == 3 and "round trip" in verbose.stdout
+
+
+def test_the_real_parsers_flag_table_is_cached_on_the_host(lab, sglang_release, tmp_path):
+    """Issue 24.3 with the real sglang 0.5.23 over real sshd: the first check imports the real
+    parser and keeps its flag table under the deploy root; the next check decides from the
+    table with the same verdict; a parser source that changed, or a damaged cache file, sends
+    the check back to the real parser, which rewrites it. A check never makes the deploy root."""
+    env = sglang_release("0.5.23")
+    if not env["real"]:
+        pytest.skip("this run's 0.5.23 venv has no importable parser (SERVOPS_TEST_SGLANG_PARSER=static)")
+    root = lab.tmp / "deploy-lab1"
+    inv = lab.inventory(host_vars={"lab1": {"server_port": free_port(), "venv": str(env["venv"])}})
+    books = playbooks_with(tmp_path, typo="extends: baseline\nserver_args: {cuda-graph-max-bz: 128}\n")
+
+    def check(variant):
+        res = run_invoke("check", "--variant", variant, "--json", "-H", "lab1", inventory=inv,
+                         env={"SERVOPS_PLAYBOOKS": str(books)})
+        data = json.loads(res.stdout)
+        return res.returncode, data["parser"], data["facts"]["parser_cache"], data["problems"]
+
+    shutil.rmtree(root, ignore_errors=True)
+    code, parser, cache, _ = check("baseline")
+    assert (code, parser) == (0, "real") and "not written: no deploy root" in cache
+    assert not root.exists()  # a host servops never deployed to stays as it was
+
+    root.mkdir()
+    assert check("baseline")[:3] == (0, "real", "missing; written")
+    files = list((root / ".launch-cache").iterdir())
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    hit = check("typo")
+    assert hit[:3] == (2, "cached", "hit") and any("--cuda-graph-max-bz" in p for p in hit[3])
+
+    source = env["site"] / "sglang" / "srt" / "server_args.py"
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the parser's source changed
+    try:
+        stale = check("typo")
+        assert stale[1] == "real" and stale[2].startswith("stale: sources changed") and stale[2].endswith("written")
+        assert stale[3] == hit[3]  # the table decided as the real parser does
+    finally:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    check("baseline")  # rewritten for the restored source
+    files[0].write_bytes(b"{not json")
+    damaged = check("baseline")
+    assert damaged[:2] == (0, "real") and damaged[2].startswith("damaged: ") and damaged[2].endswith("written")
+    assert check("baseline")[1:3] == ("cached", "hit")

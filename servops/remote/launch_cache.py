@@ -120,8 +120,13 @@ def store(path, key, table):
     if len(text) > MAX_BYTES:
         return "table of %d bytes is over the cache's %d" % (len(text), MAX_BYTES)
     folder = os.path.dirname(path)
+    root = os.path.dirname(folder)
+    if not os.path.isdir(root):
+        # a check never makes the deploy root: a host servops has not deployed to stays as it was
+        return "no deploy root %s yet (the first deploy makes it)" % root
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not os.path.lexists(folder):
+            os.mkdir(folder, 0o700)
         if os.path.islink(folder) or not os.path.isdir(folder):
             return "%s is not a folder servops owns (a symlink?)" % folder
         _evict(folder, keep=os.path.basename(path))
