@@ -222,6 +222,7 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     secret_env: dict[str, str] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)  # server_args as rendered for this host
 
     def secrets_file(self) -> str:
         """`secrets.env`, sourced by the script with `set -a`: one quoted assignment per line."""
@@ -291,4 +292,4 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
         if len(value) >= 4 and value in script:
             raise RenderError(f"templates/{variant['template']}: a secret value would be written into the "
                               f"script; use the secrets file (secret_env), never the value")
-    return Launch(script=script, argv=argv, env=plain_env, secret_env=secret_env)
+    return Launch(script=script, argv=argv, env=plain_env, secret_env=secret_env, args=args)

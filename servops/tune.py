@@ -92,7 +92,8 @@ def entry_problem(e: dict) -> str | None:
     if not all(isinstance(v, str) for v in (e.get("violations") or []) + (e.get("constraints") or [])):
         return "violations/constraints are not text"
     spec = e.get("spec") or {}
-    if not (isinstance(spec.get("server_args") or {}, dict) and isinstance(spec.get("env") or "", str)
+    if not (isinstance(spec.get("server_args") or {}, dict) and isinstance(spec.get("rendered_args") or {}, dict)
+            and isinstance(spec.get("env") or "", str)
             and isinstance(spec.get("patches") or [], list)):
         return "spec is not what tune writes"
     if e.get("noise") is not None and not _is_number(e["noise"].get("band")):
@@ -385,6 +386,7 @@ class Runner:
             hs.redactor.add(variant_secrets(t.variant, hs.host.get("secret_vars") or ()))
         self.identities: dict[str, str] = {}
         self.scripts: dict[str, str] = {}
+        self.rendered_args: dict[str, dict] = {}  # what the report shows ({{ templates }} rendered)
         self.id_width = min(max(len(t.id) for t in self.trials), 28)  # one column for the phase lines
         self.study = self.storage = None
         self.search_trials: list[Trial] = []   # the study's points this host ran (search: random / tpe)
@@ -450,6 +452,7 @@ class Runner:
         self.hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
         self.identities[t.id] = t.identity(self.hs.host, render_launch)
         self.scripts[t.id] = launch.script
+        self.rendered_args[t.id] = json.loads(self.hs.redactor(json.dumps(launch.args, default=str)))
 
     def plan(self) -> list[dict]:
         """Check mode: every trial preflighted and deduplicated; nothing deployed or benched."""
@@ -830,6 +833,7 @@ class Runner:
         self.journal.write(dict(base, phase="start", spec={"variant": t.variant["name"], "overrides": t.overrides,
                                                          "retry_of": t.retry_of,
                                                          "server_args": t.variant["server_args"],
+                                                         "rendered_args": self.rendered_args.get(t.id) or {},
                                                          "env": self.hs.redactor(json.dumps(t.variant["env"])),
                                                          "patches": t.variant["patches"]},
                                 script=self.hs.redactor(self.scripts.get(t.id, ""))))

@@ -46,7 +46,8 @@ def flags_diff(base: dict, spec: dict) -> list[str]:
     """Each server arg / env var that differs from the base trial's, one per line:
     `--cuda-graph-max-bs: 4 -> 32`, `NCCL_NVLS_ENABLE: unset -> 1`."""
     out = []
-    b_args, t_args = base.get("server_args") or {}, spec.get("server_args") or {}
+    # as rendered on the host where the log has it (a `{{ max_num_seqs | default(256) }}` is 256)
+    b_args, t_args = (s.get("rendered_args") or s.get("server_args") or {} for s in (base, spec))
     for k in sorted(set(b_args) | set(t_args)):
         if b_args.get(k) != t_args.get(k):
             old, new = (MASK if is_secret_name(k) and v not in (None, False, True) else v

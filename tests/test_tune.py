@@ -546,3 +546,18 @@ def test_two_controllers_share_one_study_through_a_real_postgresql(lab, tmp_path
                     if e.get("phase") == "done" and "trial" in e and e.get("outcome") != "duplicate"]
         assert sorted(finished) == sorted(["base"] + [t.user_attrs["tid"] for t in ran if t.user_attrs["host"] == host])
         assert not (path.parent / "study.db").exists()  # the study is the shared one
+
+
+def test_the_report_shows_flags_as_rendered_on_the_host():
+    """A variant's `{{ max_num_seqs | default(256) }}` is shown as the 256 the host ran, from the
+    log's rendered_args; a log written before they were kept shows the variant as written."""
+    from servops.tunereport import flags_diff
+
+    base = {"server_args": {"max-num-seqs": "{{ max_num_seqs | default(256) }}", "api-key": "{{ key }}"},
+            "rendered_args": {"max-num-seqs": "256", "api-key": "[REDACTED]"}}
+    trial = {"server_args": {"max-num-seqs": 4, "enforce-eager": True, "api-key": "{{ key }}"},
+             "rendered_args": {"max-num-seqs": 4, "enforce-eager": True, "api-key": "[REDACTED]"}}
+    assert flags_diff(base, trial) == ["--enforce-eager: unset -> on", "--max-num-seqs: 256 -> 4"]
+    old = {k: v for k, v in base.items() if k != "rendered_args"}
+    assert flags_diff(old, {"server_args": trial["server_args"]})[1] == \
+        "--max-num-seqs: {{ max_num_seqs | default(256) }} -> 4"
