@@ -224,20 +224,16 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
     A deploy that would change nothing (the current release has the same launch script, env,
     secrets and patch set, and its server is healthy) ends `ok - unchanged` and restarts nothing."""
     from servops import deploy as dep
-    from servops.errors import ServopsError
     from servops.gate import parse_gate
+    from servops.multinode import server_groups
     from servops.playbooks import load_variant
 
     inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
     conditions = parse_gate(gate) if gate is not None else None  # --gate '' is an error, not "no gate"
-    nnodes = int(v.get("nnodes") or 1)
-    if len(targets) % nnodes:
-        raise ServopsError(f"variant {variant} runs on {nnodes} nodes per server; select a multiple of {nnodes} "
-                           f"hosts (got {len(targets)}), rank 0 first")
-    groups = [targets[i:i + nnodes] for i in range(0, len(targets), nnodes)]
+    groups = server_groups(v, targets)
     return VerbRun(inv, targets).run(lambda nodes: dep.deploy_group(
-        nodes, variant, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
+        nodes, v, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
         break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push, force=force),
         groups=groups, serial=serial or None, max_fail_percentage=max_fail_percentage).recap
 
@@ -354,16 +350,16 @@ def render(c, variant, hosts=None, inventory=None):
 def check(c, variant, json=False, verbose=False, hosts=None, inventory=None):
     """Launch preflight, read-only: the variant's launch parsed by the host's own sglang, model path, port, GPUs."""
     from servops import launchcheck as lc
+    from servops.multinode import variants_per_host
     from servops.playbooks import load_variant
-    from servops.releases import deploy_root
-
     from servops.redact import remember, variant_secrets
+    from servops.releases import deploy_root
 
     inv, targets = select(inventory, hosts)
     v = load_variant(variant)  # an unknown variant fails before any connection
     for h in targets:  # its secrets (HF_TOKEN, --api-key) print as ***
         remember(variant_secrets(v, h.get("secret_vars") or ()))
-    per_host = lc.variants_per_host(v, targets)  # multi-node: each node's rank flags, as deploy sets them
+    per_host = variants_per_host(v, targets)  # multi-node: each node's rank flags, as deploy sets them
 
     def op(hs):
         res = lc.check_variant(hs, per_host[hs.host.name], deploy_root=deploy_root(hs.host))

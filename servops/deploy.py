@@ -19,14 +19,14 @@ import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import yaml
 
 from . import engines, interrupt, patchplan, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import host_lock
 from .errors import ServopsError
+from .launchcheck import LaunchCheck, check_variant, raise_if_refused
+from .multinode import node_args, with_args
 from .output import ATTENTION, CHANGED, FAILED, OK, RESTORED, console, err_console
 from .playbooks import load_variant
 from .progress import Phases
@@ -34,10 +34,6 @@ from .provenance import REPO, git_sha, operator
 from .redact import variant_secrets
 from .render import Launch, render_launch
 from .transport import HostSession
-
-if TYPE_CHECKING:
-    from .launchcheck import LaunchCheck
-
 
 class DeployError(ServopsError):
     pass
@@ -56,32 +52,11 @@ def _now() -> str:
 
 # ---- what a variant becomes on one host ------------------------------------------------------
 
-def node_args(variant: dict, nodes: list[HostSession]) -> list[dict]:
-    """Per-node server_args for a multi-node variant: --nnodes, --node-rank, --dist-init-addr."""
-    nnodes = int(variant.get("nnodes") or 1)
-    if nnodes == 1:
-        return [{}]
-    if len(nodes) != nnodes:
-        raise DeployError(f"variant {variant['name']} needs {nnodes} nodes per server; got {len(nodes)}")
-    rank0 = nodes[0].host
-    addr = f"{rank0.get('dist_init_host') or rank0.ssh_host}:{int(rank0.get('dist_init_port', 5000))}"
-    return [{"nnodes": nnodes, "node-rank": rank, "dist-init-addr": addr} for rank in range(nnodes)]
-
-
-def with_args(variant: dict, extra: dict) -> dict:
-    if not extra:
-        return variant
-    out = dict(variant)
-    out["server_args"] = dict(variant["server_args"], **extra)
-    return out
-
-
 def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch, LaunchCheck]:
-    """Read-only, one round trip: the host's own sglang parses the launch (every `when:` branch);
-    a flag it rejects, a missing model, a busy port or too few GPUs refuse here, before anything
-    stops. Returns the variant as it applies to this host's sglang and what it renders to."""
-    from .launchcheck import check_variant, raise_if_refused
-
+    """Read-only, one round trip: the host's own engine (sglang, vllm) parses the launch (every
+    `when:` branch); a flag it rejects, a missing model, a busy port or too few GPUs refuse here,
+    before anything stops. Returns the variant as it applies to this host's engine version and
+    what it renders to."""
     check = check_variant(hs, variant, deploy_root=releases.deploy_root(hs.host))
     raise_if_refused(check, hs.host.name)
     return check.variant, render_launch(hs.host, check.variant), check
@@ -121,10 +96,10 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
     if launch.secret_env:
         files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
     engine = engines.of_variant(variant)
-    if engine.name != "sglang":  # recorded for bench and stop; an sglang release.json stays as it was
+    if engine.name != engines.DEFAULT:  # recorded for bench and stop; an sglang release.json stays as it was
         record["engine"] = engine.name
         files["release.json"] = {"text": json.dumps(record, indent=1, sort_keys=True)}
-    for local in (hs.host.get("server_files") or []) if engine.name == "sglang" else []:  # e.g. the lab's SGLang double
+    for local in engine.server_files(hs.host):  # e.g. the lab's SGLang double
         path = Path(local) if Path(local).is_absolute() else REPO / local
         if not path.is_file():
             raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
@@ -199,9 +174,10 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
     wanted = [] if skip_patches else list(variant["patches"])
     validate(variant, nodes, gate, push_url)
-    per_node = node_args(variant, nodes)
+    per_node = node_args(variant, [hs.host for hs in nodes])
     phases = Phases(nodes[0].host.name, nodes[0].redactor)
-    phases.step("preflight", f"{variant_name}: launch check against the host's sglang, patch plan (read-only)")
+    phases.step("preflight", f"{variant_name}: launch check against the host's {engines.of_variant(variant).name}, "
+                             f"patch plan (read-only)")
     prepared = []
     for hs, extra in zip(nodes, per_node):
         resolved, launch, check = preflight(hs, with_args(variant, extra))

@@ -91,8 +91,7 @@ def gather(hs, base_variant: dict) -> dict[str, str]:
 
     engine = engines.of_variant(base_variant)
     argv = render_launch(hs.host, base_variant).argv
-    model_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model-path"), None) \
+    model_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == f"--{engine.model_flag}"), None) \
         or hs.host.get("model_path")
     raw = run_program(hs, "host_facts", {"dists": list(engine.dists), "model_path": model_path})
-    module = hs.host.get(f"{engine.name}_module") or hs.host.get("server_module") or engine.launch_module
-    return flatten(raw, model_path, module)
+    return flatten(raw, model_path, engine.server_module(hs.host))

@@ -80,12 +80,6 @@ class LaunchCheck:
         return f"launch ok on {e} {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
 
 
-def _server_module(hs: HostSession, engine: engines.Engine | None = None) -> str:
-    if engine is not None and engine.name != "sglang":
-        return str(hs.host.get(f"{engine.name}_module") or engine.launch_module)
-    return str(hs.host.get("server_module") or "sglang.launch_server")
-
-
 def _branch_inputs(hs: HostSession, variant: dict) -> tuple[list[dict], dict, list]:
     """(program branches, key -> branch id, [(key, example version, id or RenderError)])."""
     branches: list[dict] = []
@@ -197,7 +191,7 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     result = (res.get("branches") or {}).get(chosen) or {}
     parser = info.get("parser")
     static = parser == "static"
-    module = _server_module(hs, engine)
+    module = engine.server_module(hs.host)
     e = engine.name
     check = LaunchCheck(
         host=hs.host.name, variant_name=str(variant.get("name", "?")), sglang_version=version, static=static,
@@ -247,27 +241,6 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     check.warnings = [hs.redactor(w) for w in warnings]
     check.ok = not problems
     return check
-
-
-def variants_per_host(variant: dict, targets: list) -> dict[str, dict]:
-    """host name -> the variant as that host launches it: a multi-node variant (nnodes N) gets each
-    node's --nnodes/--node-rank/--dist-init-addr, grouped N hosts at a time as deploy groups them."""
-    from types import SimpleNamespace
-
-    from .deploy import node_args  # lazily: deploy imports this module
-
-    nnodes = int(variant.get("nnodes") or 1)
-    if nnodes == 1:
-        return {h.name: variant for h in targets}
-    if len(targets) % nnodes:
-        raise ServopsError(f"variant {variant['name']} runs on {nnodes} nodes per server; select a multiple of "
-                           f"{nnodes} hosts (got {len(targets)}), rank 0 first")
-    out = {}
-    for i in range(0, len(targets), nnodes):
-        group = targets[i:i + nnodes]
-        for host, extra in zip(group, node_args(variant, [SimpleNamespace(host=h) for h in group])):
-            out[host.name] = dict(variant, server_args=dict(variant["server_args"], **extra))
-    return out
 
 
 def host_sglang_version(hs: HostSession) -> str | None:

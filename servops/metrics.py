@@ -1,4 +1,4 @@
-"""`invoke metrics`: scrape SGLang's /metrics on the host and summarise it.
+"""`invoke metrics`: scrape the server's /metrics (SGLang's or vLLM's) on the host and summarise it.
 
 The scrape runs on the host (the server port is usually not public); parsing is local, with
 prometheus_client's own text parser. Histogram quantiles use Prometheus' histogram_quantile
@@ -37,19 +37,12 @@ from .remote_exec import run_program
 from .transport import HostSession
 
 COUNT, RATIO = "count", "ratio"
-GAUGES = {
-    "running": ("sglang:num_running_reqs", COUNT), "queued": ("sglang:num_queue_reqs", COUNT),
-    "token_usage": ("sglang:token_usage", RATIO), "gen_throughput": ("sglang:gen_throughput", COUNT),
-    "cache_hit_rate": ("sglang:cache_hit_rate", RATIO), "used_tokens": ("sglang:num_used_tokens", COUNT),
-}
-HISTOGRAMS = {
-    "ttft": "sglang:time_to_first_token_seconds", "itl": "sglang:inter_token_latency_seconds",
-    "e2e": "sglang:e2e_request_latency_seconds",
-}
-COUNTERS = {
-    "requests": "sglang:num_requests", "prompt_tokens": "sglang:prompt_tokens",
-    "generation_tokens": "sglang:generation_tokens",
-}
+# servops' engine-neutral keys and how each gauge aggregates over ranks; each engine's metric
+# names for them live in its room (servops.engines: sglang:num_running_reqs, vllm:num_requests_running).
+GAUGES = {"running": COUNT, "queued": COUNT, "token_usage": RATIO, "gen_throughput": COUNT,
+          "cache_hit_rate": RATIO, "used_tokens": COUNT}
+HISTOGRAMS = ("ttft", "itl", "e2e")
+COUNTERS = ("requests", "prompt_tokens", "generation_tokens")
 QUANTILES = (0.5, 0.9, 0.99)
 # Labels that tell the ranks of ONE scheduler group apart (their series are replicas).
 RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
@@ -152,38 +145,37 @@ def _quantiles(buckets: list[tuple[float, float]], count: float) -> dict:
     return {"count": count, **{f"p{int(q * 100)}": histogram_quantile(q, buckets) for q in QUANTILES}}
 
 
-def _named(families: dict, kind: str, key: str, name: str) -> str:
-    """The metric name this server reports for servops' `key`: sglang's, else another engine's
-    (vLLM's vllm:num_requests_running for "running", ...), else sglang's (absent)."""
-    if _family(families, name) or _family(families, name + "_bucket") or _family(families, name + "_total"):
-        return name
-    for other in engines.metric_aliases(kind).get(key, []):
-        if _family(families, other) or _family(families, other + "_bucket") or _family(families, other + "_total"):
-            return other
-    return name
+def _named(families: dict, kind: str, key: str) -> str | None:
+    """The metric name this server reports for servops' `key`: the first engine's (sglang first)
+    that is present; else the default engine's name (absent: no samples), None where no engine has one."""
+    names = engines.metric_names(kind, key)
+    for name in names:
+        if _family(families, name) or _family(families, name + "_bucket") or _family(families, name + "_total"):
+            return name
+    return names[0] if names else None
 
 
 def summarise(families: dict) -> dict:
     out: dict = {"gauges": {}, "raw": {"histograms": {}, "counters": {}}}
     ranks = 0
-    for key, (name, kind) in GAUGES.items():
-        name = _named(families, "gauges", key, name)
-        agg = aggregate_gauge(_family(families, name), kind)
+    for key, kind in GAUGES.items():
+        name = _named(families, "gauges", key)
+        agg = aggregate_gauge(_family(families, name) if name else [], kind)
         out["gauges"][key] = agg
         out[key] = agg["value"] if agg else None
         if kind == RATIO:
             out[f"{key}_max"] = agg["max"] if agg else None
         ranks = max(ranks, agg["ranks"] if agg else 0)
     out["ranks"] = ranks
-    for key, name in HISTOGRAMS.items():
-        name = _named(families, "histograms", key, name)
-        buckets, count, total = _buckets(_family(families, name))
+    for key in HISTOGRAMS:
+        name = _named(families, "histograms", key)
+        buckets, count, total = _buckets(_family(families, name) if name else [])
         out[key] = _quantiles(buckets, count)
         out["raw"]["histograms"][key] = {"buckets": [["+Inf" if math.isinf(b) else b, c] for b, c in buckets],
                                          "count": count, "sum": total}
-    for key, name in COUNTERS.items():
-        name = _named(families, "counters", key, name)
-        samples = [s for s in _family(families, name) + _family(families, name + "_total")
+    for key in COUNTERS:
+        name = _named(families, "counters", key)
+        samples = [s for s in (_family(families, name) + _family(families, name + "_total") if name else [])
                    if s.name.endswith("_total")]
         out["raw"]["counters"][key] = sum(s.value for s in samples) if samples else None
     return out
@@ -341,7 +333,7 @@ def extra_tables(rows: list[dict]) -> list:
             names.extend(n for n in agg["per_rank"] if n not in names)
         s = table("per-rank spread (the ranks of one server disagree)", ["host", "gauge", "min", "max", *names])
         for host, key, agg in spread:
-            scale, digits = (100.0, 1) if GAUGES[key][1] == RATIO else (1.0, 1)
+            scale, digits = (100.0, 1) if GAUGES[key] == RATIO else (1.0, 1)
             s.add_row(host, key, _fmt(agg["min"], scale, digits), _fmt(agg["max"], scale, digits),
                       *[_fmt(agg["per_rank"].get(n), scale, digits) for n in names])
         out.append(s)

@@ -240,12 +240,7 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     context.update(host_name=host.name, variant_name=variant["name"], python=host.python,
                    variant_source=variant.get("source") or f"playbooks/{variant['name']}.yml")
     engine = engines.of_variant(variant)
-    if engine.name == "sglang":
-        context.setdefault("server_module", "sglang.launch_server")
-        context.setdefault("server_files", [])
-    else:  # the engine's own launch (a host's server_module and server_files are sglang's, e.g. the lab's double)
-        context["server_module"] = str(host.get(f"{engine.name}_module") or engine.launch_module)
-        context["server_files"] = []
+    context.update(server_module=engine.server_module(host), server_files=engine.server_files(host))
     context.update(extra or {})
     where = f"playbooks/{variant['name']}.yml"
     args = {k: _render_value(env, v, context, f"{where}: server_args.{k}") for k, v in variant["server_args"].items()}

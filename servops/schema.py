@@ -211,6 +211,7 @@ INVENTORY_VARS = {
     "server_port": PORT,
     "server_module": Field("str", pattern=MODULE, what="a Python module name like sglang.launch_server"),
     "server_files": Field("list", items=Field("path")),
+    "vllm_module": Field("str", pattern=MODULE, what="a Python module name like vllm.entrypoints.openai.api_server"),
     "model_path": Field("path"),
     "tp": Field("int", 1, 1024),
     "env": ENV,

@@ -35,16 +35,11 @@ def of_variant(variant: Mapping[str, Any]) -> Engine:
     return get(variant.get("engine"))
 
 
-def metric_aliases(kind: str) -> dict[str, list[str]]:
-    """servops key -> the metric names the engines OTHER than sglang report for it (sglang's own
-    names stay in servops.metrics); `kind` is gauges, histograms or counters."""
-    out: dict[str, list[str]] = {}
-    for engine in ENGINES.values():
-        if engine.name == DEFAULT:
-            continue
-        for key, name in getattr(engine, kind).items():
-            out.setdefault(key, []).append(name)
-    return out
+def metric_names(kind: str, key: str) -> list[str]:
+    """Each engine's metric name for servops' `key` (default engine first); `kind` is gauges,
+    histograms or counters."""
+    order = [ENGINES[DEFAULT]] + [e for n, e in ENGINES.items() if n != DEFAULT]
+    return [getattr(e, kind)[key] for e in order if key in getattr(e, kind)]
 
 
-__all__ = ["Engine", "ENGINES", "EngineError", "get", "of_variant", "metric_aliases"]
+__all__ = ["Engine", "ENGINES", "EngineError", "get", "of_variant", "metric_names"]

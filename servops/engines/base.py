@@ -19,6 +19,17 @@ class Engine:
     request: dict = field(default_factory=dict)      # the bench's request shape
     process_names: tuple[str, ...] = ()              # what its server tree holds (for stop)
     crash_signatures: tuple[str, ...] = ()           # log lines that mean the server is dead
+    model_flag: str = "model-path"                   # the server arg naming the model
+    module_var: str = "server_module"                # the host var that replaces launch_module
+    files_var: str | None = None                     # the host var listing local files a release ships
+
+    def server_module(self, host) -> str:
+        """What the host's launch runs (`python -m` it): the host's own module (the lab's
+        SGLang double), else the engine's."""
+        return str(host.get(self.module_var) or self.launch_module)
+
+    def server_files(self, host) -> list[str]:
+        return [str(f) for f in (host.get(self.files_var) or [])] if self.files_var else []
 
     def label(self, version: str | None) -> str:
         """'vllm 0.32.0' (the engine and its version, as messages name them)."""

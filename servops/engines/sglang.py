@@ -1,6 +1,6 @@
-"""SGLang: the engine servops was built around. Its facts as the rest of servops has always
-used them (servops.metrics, servops.remote.loadgen and launch_check keep their own copies of
-these names; this room is what the engine-neutral code asks)."""
+"""SGLang: the engine servops was built around. Its facts, as the engine-neutral code asks them
+(the host programs, stdlib-only and shipped alone, servops.remote.loadgen and launch_check, keep
+their own copies of the names they read on the host)."""
 
 from .base import Engine
 
@@ -23,4 +23,5 @@ ENGINE = Engine(
     request={"endpoint": "/v1/completions", "model": "default", "flush": "/flush_cache",
              "server_info": "/server_info"},
     process_names=("sglang::scheduler", "sglang::detokenizer"),
+    files_var="server_files",  # the lab's double ships its own server module with the release
 )

@@ -37,4 +37,6 @@ ENGINE = Engine(
              "empty_is_token": True},
     process_names=("VLLM::EngineCore", "VLLM::Worker"),
     crash_signatures=(r"EngineDeadError", r"Unsupported CPU attention configuration"),
+    model_flag="model",
+    module_var="vllm_module",  # a host's server_module is sglang's (the lab's double)
 )
