@@ -48,6 +48,33 @@ def processes_of(root: Path) -> dict[int, str]:
     return found
 
 
+def host_programs_in_flight() -> list[int]:
+    """pids of servops host programs (`python -`) still running under an sshd session. A
+    controller SIGKILLed mid-command leaves its last program running on the host for a moment;
+    that program sees a dead guard as the next command would and starts a new one."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if len(argv) != 2 or argv[1] != b"-" or b"python" not in argv[0]:
+            continue
+        pid = int(entry)
+        while pid > 1:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                break
+            if stat.split("(", 1)[1].rsplit(")", 1)[0].startswith("sshd"):  # sshd, sshd-session
+                found.append(int(entry))
+                break
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
 def port_free(port: int) -> bool:
     import socket
 
@@ -277,8 +304,10 @@ def test_3_a_dead_guard_is_restarted_by_the_next_command(alab, tmp_path):
     release = next((root_of(lab) / "releases").glob("*-sick"))
     guard = json.loads((release / "guard.pid").read_text())["pid"]
     proc.send_signal(signal.SIGKILL)
-    os.kill(guard, signal.SIGKILL)
     proc.wait()
+    # the controller's last host program ends before the guard dies, so that `status` is the next command
+    assert wait_for(lambda: not host_programs_in_flight(), 30), host_programs_in_flight()
+    os.kill(guard, signal.SIGKILL)
     res = run_invoke("status", inventory=inv)
     assert "never finished" in res.stdout + res.stderr, res.stdout + res.stderr
     assert "guard.restarted" in journal_actions(lab)

@@ -197,7 +197,9 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     md = (results / "vllm1" / "campaigns" / "lab-vllm" / "report.md").read_text()
     for trial in ("base", "vllm-eager", "seqs-4"):
         assert trial in md, md
-    assert "--enforce-eager: unset -> on" in md and "--max-num-seqs: 256 -> 4 " in md, md
+    # the base's cap as the host rendered it: the inventory's max_num_seqs, not the playbook's default
+    base_seqs = vhost["lab"]["all"]["children"]["lab"]["children"]["vllm"]["vars"]["max_num_seqs"]
+    assert "--enforce-eager: unset -> on" in md and f"--max-num-seqs: {base_seqs} -> 4 " in md, md
 
     # the head_dim-16 model: /health says 200, the first request kills the engine; rolled back
     before = (root / "current").resolve().name
