@@ -19,7 +19,9 @@ wedged one) connects directly instead: never a hang. Only a command that provabl
 start is moved to the direct path; one lost mid-way fails as it would have directly.
 
 Protocol, one unix connection per command: frames of a kind byte, a 4-byte length and a
-payload. Client -> agent: `R` request (JSON), `I` stdin bytes, `i` end of stdin. Agent ->
+payload. Client -> agent: `R` request (JSON; `warm`: the remote python, for one of servops'
+short read-only programs, which the agent may run in the host's warm interpreter:
+servops.warmrunner), `I` stdin bytes, `i` end of stdin. Agent ->
 client: `A` accepted (JSON: pid, known_hosts warnings), then `S` started or `F` could not open
 a channel (JSON error), then `o`/`e` stdout/stderr bytes, and `x` exit status or `L` connection
 lost (JSON error).
@@ -43,7 +45,7 @@ from .errors import InventoryError, ServopsError
 from .inventory import Host, Inventory
 from .schema import persist_seconds
 
-PROTOCOL = 1
+PROTOCOL = 2
 ACK_TIMEOUT = 0.5  # an agent that has not accepted a request by then is wedged: bypassed
 MAX_FRAME = 16 << 20
 # The vars a connection depends on: what an agent is given, and (with file contents) keyed by.
@@ -334,8 +336,9 @@ class Client:
             return None
         return sock
 
-    def start(self, command: str, timeout: float) -> AgentChannel | None:
-        """`command` started through the agent, or None (the command did not start): connect directly."""
+    def start(self, command: str, timeout: float, warm: str | None = None) -> AgentChannel | None:
+        """`command` started through the agent, or None (the command did not start): connect directly.
+        `warm`: the remote python whose warm interpreter may run it (a servops.remote.WARM program)."""
         from . import interrupt
 
         sock = self._connect()
@@ -343,8 +346,10 @@ class Client:
             return None
         frames, started = Frames(), False
         try:
-            sock.sendall(json_frame("R", {"op": "run", "command": command, "timeout": timeout,
-                                          "persist": self.persist}))
+            request = {"op": "run", "command": command, "timeout": timeout, "persist": self.persist}
+            if warm:
+                request["warm"] = warm
+            sock.sendall(json_frame("R", request))
             ack_by, start_by = time.monotonic() + ACK_TIMEOUT, time.monotonic() + timeout
             accepted = False
             while True:

@@ -1,7 +1,8 @@
 """The connection agent process (`python -m servops.connagentd`, started by
 servops.connagent.Client.leave): it holds one host's SSH connection and runs each client's
-command on a channel of it, relaying stdin, output and the exit status (the protocol, keys and
-socket rules are servops.connagent's)."""
+command on a channel of it, or a short read-only servops program in the host's warm interpreter
+(servops.warmrunner), relaying stdin, output and the exit status (the protocol, keys and socket
+rules are servops.connagent's)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .chanend import CommandEnd
 from .connagent import AgentLost, Frames, entry_key, frame, json_frame, peer_pid, peer_uid, release_lock, take_lock
 from .errors import ServopsError
 from .inventory import Host, Inventory, load_inventory
+from .warmrunner import Outcome, WarmRunners
 
 WATCH_EVERY = 2.0  # seconds between checks of the files the agent's key depends on
 
@@ -193,7 +195,43 @@ def _read_request(sock: socket.socket, frames: Frames) -> tuple[dict | None, lis
             return (request if isinstance(request, dict) else None), got[1:]
 
 
-def _handle(sock: socket.socket, transport, spare: _Spare, state: _State, lost) -> None:
+def _collect_stdin(sock: socket.socket, frames: Frames, early: list[tuple[str, bytes]]) -> bytes | None:
+    """The client's whole stdin (a warm program is sent whole), or None if the client went."""
+    data, got = bytearray(), early
+    while True:
+        for kind, payload in got:
+            if kind == "I":
+                data += payload
+            elif kind == "i":
+                return bytes(data)
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return None
+        got = frames.feed(chunk)
+
+
+def _run_warm(sock: socket.socket, runners: WarmRunners, python: str, frames: Frames,
+              early: list[tuple[str, bytes]]) -> list[tuple[str, bytes]] | None:
+    """A warm program run by the host's warm interpreter, if one is ready and free: None when it
+    ran (or its client went), else the client's stdin as frames, for the ordinary way (`S` is
+    already sent then). [] when no runner took it: the ordinary way, from the start."""
+    runner = runners.get(python)
+    if not runner.acquire():
+        return []
+    sock.sendall(frame("S"))
+    program = _collect_stdin(sock, frames, early)
+    if program is None:
+        runner.release()
+        return None
+    outcome = runner.run(program, sock)
+    if outcome == Outcome.LOST:
+        sock.sendall(json_frame("L", {"error": "the host's warm interpreter ended mid-command"}))
+    if outcome != Outcome.NOT_RUN:
+        return None
+    return [("I", program), ("i", b"")]
+
+
+def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners, state: _State, lost) -> None:
     chan = None
     try:
         if peer_uid(sock) != os.getuid():
@@ -210,13 +248,21 @@ def _handle(sock: socket.socket, transport, spare: _Spare, state: _State, lost) 
         if request.get("op") != "run":
             return
         state.persist = float(request.get("persist") or state.persist)
+        started = False
+        if isinstance(request.get("warm"), str):
+            stdin = _run_warm(sock, runners, request["warm"], frames, early)
+            if stdin is None:
+                return
+            if stdin:  # the runner did not run it: the ordinary way, `S` already sent
+                early, started = stdin, True
         try:
             chan = spare.take(float(request["timeout"]))
         except lost as exc:
-            sock.sendall(json_frame("F", {"error": str(exc)}))
+            sock.sendall(json_frame("L" if started else "F", {"error": str(exc)}))
             return
         chan.exec_command(str(request["command"]))
-        sock.sendall(frame("S"))
+        if not started:
+            sock.sendall(frame("S"))
         _relay(sock, chan, frames, early)
     except lost as exc:  # the host connection, or the client's socket
         try:
@@ -262,6 +308,7 @@ def serve(spec: dict) -> int:
         transport.set_keepalive(15)
         state = _State(float(spec["persist"]), warnings)
         spare = _Spare(transport, sshconnect.connect_timeout(host))
+        runners = WarmRunners(transport, sshconnect.connect_timeout(host))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         tmp = f"{path}.{os.getpid()}"
         for stale in (tmp, path):
@@ -279,7 +326,7 @@ def serve(spec: dict) -> int:
             if select.select([listener], [], [], 1.0)[0]:
                 client, _ = listener.accept()
                 state.begin()
-                threading.Thread(target=_handle, args=(client, transport, spare, state, sshconnect.LOST),
+                threading.Thread(target=_handle, args=(client, transport, spare, runners, state, sshconnect.LOST),
                                  daemon=True).start()
             if state.idle_for() > state.persist or not transport.is_active():
                 break

@@ -17,7 +17,11 @@ def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str
     python = python or hs.host.python
     command = shell.python_stdin(python)
     on_output = _line_splitter(on_progress) if on_progress else None
-    result = hs.run(command, stdin=remote.with_args(name, args, env), timeout=timeout, on_output=on_output)
+    # a short read-only program, with nothing to set in its environment: a warm agent may run it
+    # in the host's warm interpreter (its environment is that of a fresh `python -` there)
+    warm = python if name in remote.WARM and not env and on_progress is None else None
+    result = hs.run(command, stdin=remote.with_args(name, args, env), timeout=timeout, on_output=on_output,
+                    warm=warm)
     out = result.stdout.strip()
     try:
         data = json.loads(out.splitlines()[-1]) if out else None

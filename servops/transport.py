@@ -160,11 +160,11 @@ class HostSession:
                 self._agent = connagent.client_for(self.host, self.inventory) or False
             return self._agent if self._via_agent else None
 
-    def _start(self, command: str, timeout: float):
+    def _start(self, command: str, timeout: float, warm: str | None = None):
         """`command` started on a channel: through the warm agent, else directly."""
         agent = self._agent_client() if self._conn is None else None
         if agent:
-            chan = agent.start(command, timeout)
+            chan = agent.start(command, timeout, warm)
             if chan is not None:
                 return chan
             self._via_agent = False  # absent, dead or wedged: bypassed for the rest of the task
@@ -180,8 +180,11 @@ class HostSession:
         return chan
 
     def run(self, command: str, stdin: str | bytes | None = None, timeout: int | None = None,
-            check: bool = False, on_output: Callable[[str], None] | None = None) -> CommandResult:
-        """Run one command on its own channel of the shared connection.
+            check: bool = False, on_output: Callable[[str], None] | None = None,
+            warm: str | None = None) -> CommandResult:
+        """Run one command on its own channel of the shared connection. `warm` (a remote python):
+        the command is `warm -` running one of servops' short read-only programs, which a warm
+        agent may run in that python's warm interpreter on the host (servops.warmrunner).
 
         Uses paramiko's channel directly: invoke's runner feeds stdin one byte per 10 ms,
         far too slow for shipping a program over stdin.
@@ -189,7 +192,7 @@ class HostSession:
         timeout = timeout or int(self.host.get("command_timeout", DEFAULT_COMMAND_TIMEOUT))
         self.round_trips += 1
         try:
-            exited, out, err = _exec(self._start(command, timeout), stdin, timeout, on_output)
+            exited, out, err = _exec(self._start(command, timeout, warm), stdin, timeout, on_output)
         except OutputTooLarge:
             raise TransportError(f"{self.host.name}: the remote command sent more than {MAX_OUTPUT >> 20} MiB of "
                                  f"output; refusing the rest: {self.redactor(command)[:200]}") from None

@@ -341,3 +341,101 @@ def test_deploy_ctrl_c_and_logs_follow_through_the_agent(counted, agents, lab, t
         assert proxy.connections == connections  # every command of it went through the agent
     finally:
         run_invoke("stop", "--grace", "2", "--break-lock", inventory=inv, env=agents.env)
+
+
+# -- the host's warm interpreter (servops.warmrunner): read-only programs skip exec, shell and python start-up
+
+WHO = ("import os\n"
+       "print(os.getpid(), os.getppid())\n"
+       "print(open('/proc/%d/cmdline' % os.getppid(), 'rb').read().replace(b'\\0', b' ').decode())\n")
+
+
+def who(hs) -> tuple[int, bool]:
+    """Run WHO as a warm program: (its parent's pid, whether that parent is the warm interpreter)."""
+    from servops.shell import python_stdin
+
+    res = hs.run(python_stdin(hs.host.python), stdin=WHO, warm=hs.host.python)
+    assert res.ok, res.stderr
+    return int(res.stdout.split()[1]), "<servops-warm-runner>" in res.stdout
+
+
+def until_warm(hs, other_than=(), within: float = 30) -> int:
+    """The warm interpreter's pid, once one (not in `other_than`) runs the warm programs."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        ppid, in_runner = who(hs)
+        if in_runner and ppid not in other_than:
+            return ppid
+        time.sleep(0.1)
+    raise AssertionError("no warm interpreter took the warm programs")
+
+
+@pytest.fixture
+def agent_session(counted, agents, monkeypatch):
+    """A HostSession of lab1 through a warm agent, and the connection-counting proxy."""
+    from servops.inventory import load_inventory
+    from servops.transport import Session
+
+    inv_path, proxy = counted()
+    monkeypatch.setenv("SERVOPS_AGENT_DIR", agents.dir)
+    monkeypatch.setenv("SERVOPS_PERSIST", "2m")
+    inv = load_inventory(inv_path)
+    with Session(inv) as session:
+        assert session.host(inv.hosts["lab1"]).run("true").ok  # direct: leaves an agent
+    serving(agents.dir)
+    with Session(inv) as session:
+        yield SimpleNamespace(hs=session.host(inv.hosts["lab1"]), proxy=proxy, inventory=inv_path)
+
+
+def test_read_only_programs_run_in_the_hosts_warm_interpreter(agent_session, agents):
+    from servops.inspect import InspectRequest, inspect_file
+    from servops.shell import python_stdin
+
+    hs, proxy = agent_session.hs, agent_session.proxy
+    connections = proxy.connections
+    direct = inspect(agent_session.inventory, agents, {"SERVOPS_PERSIST": "0"})
+    runner = until_warm(hs)
+    # the warm path keeps the command contract: output, stderr, exit status, remote programs
+    res = hs.run(python_stdin(hs.host.python), stdin="import sys\nprint('o')\nprint('e', file=sys.stderr)\nsys.exit(3)\n",
+                 warm=hs.host.python)
+    assert (res.exited, res.stdout, res.stderr) == (3, "o\n", "e\n")
+    assert inspect_file(hs, InspectRequest(CPP_EXT, lines="60:62"))["owner"]["version"] == "0.7.2.post1"
+    assert who(hs) == (runner, True)
+    # the CLI's inspect through it prints what a direct one does
+    again = inspect(agent_session.inventory, agents)
+    assert again.returncode == 0 and again.stdout == direct.stdout
+    assert who(hs) == (runner, True)  # one interpreter, reused
+    # a program that is not marked warm always gets its own `python -`
+    plain = hs.run(python_stdin(hs.host.python), stdin=WHO)
+    assert "<servops-warm-runner>" not in plain.stdout
+    assert proxy.connections == connections + 1  # only the --no-persist inspect connected
+
+
+def test_a_killed_or_stale_warm_interpreter_is_replaced(agent_session, venv):
+    hs = agent_session.hs
+    first = until_warm(hs)
+    os.kill(first, signal.SIGKILL)
+    assert who(hs)[1] is False  # it did not run there: the ordinary way, and it succeeded
+    second = until_warm(hs, other_than=(first,))
+    # a pip install changes a sys.path directory: the interpreter is stale, nothing runs there
+    site = next(Path(venv).glob("lib/python3*/site-packages"))
+    st = site.stat()
+    os.utime(site, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert who(hs)[1] is False
+    assert gone(second, within=10)  # it ended itself
+    until_warm(hs, other_than=(first, second))
+
+
+def test_a_warm_program_whose_client_goes_is_killed(agent_session):
+    from servops.errors import TransportError
+    from servops.shell import python_stdin
+
+    hs = agent_session.hs
+    runner = until_warm(hs)
+    printed = []
+    with pytest.raises(TransportError, match="timed out after 2s"):
+        hs.run(python_stdin(hs.host.python), stdin="import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n",
+               warm=hs.host.python, timeout=2, on_output=printed.append)
+    pid = int("".join(printed).split()[0])
+    assert gone(pid, within=10)
+    assert who(hs) == (runner, True)  # and the interpreter serves the next

@@ -18,7 +18,11 @@ Shapes:
               head_dim 16, but only at the first request, after /health already answers 200.
   llama-h768  hidden 768, 12 heads of 64 (4 KV heads), 6 layers, ~40M parameters: slow enough
               per token on a CPU core that the server, not the benchmark client, sets the pace
-              (bench/parity_vllm_bench.py).
+              (bench/parity_vllm_bench.py, before llama-h1024).
+  llama-h1024 hidden 1024, 16 heads of 64 (4 KV heads), 12 layers, ~150M parameters: ~4x the
+              work per token of llama-h768, so that on 2 shared cores a decode step (~15 ms)
+              dwarfs the scheduling delays of the processes beside the model (vLLM's busy
+              EngineCore, its API server, the client): bench/parity_vllm_bench.py.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ SHAPES = {
     "llama-h256": {"hidden": 256, "heads": 4, "kv_heads": 2},
     "llama-hd16": {"hidden": 256, "heads": 16, "kv_heads": 4},
     "llama-h768": {"hidden": 768, "heads": 12, "kv_heads": 4, "layers": 6, "intermediate": 2048},
+    "llama-h1024": {"hidden": 1024, "heads": 16, "kv_heads": 4, "layers": 12, "intermediate": 2816},
 }
 COMMON = {"layers": 2, "intermediate": 512, "vocab": 1024, "max_positions": 2048, "seed": 20240}
 

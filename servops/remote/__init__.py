@@ -22,11 +22,22 @@ _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
              "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "launch_facts"],
              "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"]}
 
+# Programs that only read the host and end within seconds: a warm connection agent may run them
+# in its host-side warm interpreter (warm_runner.py) rather than on a fresh `python -`. Anything
+# that changes the host, runs long or streams progress always gets its own process.
+WARM = frozenset({"inspect_file", "verify_dist", "host_facts", "scrape", "diagnose_ctx"})
+
 _LAUNCHER = """\
 import os, subprocess, sys
 os.environ.update(_SERVOPS_ENV)
 sys.exit(subprocess.run([sys.executable, "-"], input=_SERVOPS_PROGRAM.encode()).returncode)
 """
+
+
+@cache
+def standalone(name: str) -> str:
+    """A program that is its own whole text (warm_runner.py: no _common, no arguments)."""
+    return (_HERE / f"{name}.py").read_text(encoding="utf-8")
 
 
 @cache
