@@ -154,7 +154,7 @@ def main(runs: int, baseline_rev: str | None) -> None:
         inv = yaml.safe_load(loop.inventory.read_text())
         inv["all"]["children"]["lab"]["hosts"]["lab1"]["server_port"] = free_port()
         loop.inventory.write_text(yaml.safe_dump(inv))
-        subprocess.run(loop.invoke("deploy", "--variant", "baseline"), check=True, capture_output=True, env=loop.env,
+        subprocess.run(loop.invoke("deploy", "--variant", "baseline", "-H", "lab1"), check=True, capture_output=True, env=loop.env,
                        cwd=REPO)
         loop.agent_pid()
         timed(loop.invoke("status"), loop.env)
@@ -162,7 +162,7 @@ def main(runs: int, baseline_rev: str | None) -> None:
         lines += [summary("loopback: status, agent warm, server up", status),
                   f"status on a warm agent: median {statistics.median(status):.2f} s  "
                   f"(goal <= 0.5 s: {'met' if statistics.median(status) <= 0.5 else 'NOT met'})"]
-        subprocess.run(loop.invoke("stop", "--grace", "2"), capture_output=True, env=loop.env, cwd=REPO)
+        subprocess.run(loop.invoke("stop", "--grace", "2", "-H", "lab1"), capture_output=True, env=loop.env, cwd=REPO)
         timed(loop.inspect(), loop.env)
         pid = loop.agent_pid()
         warm = [timed(loop.inspect(), loop.env) for _ in range(3)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,60 @@ def test_static_read_agrees_with_real_parser(parsed):
     assert "--mm-processor-device" in static["unchecked"]
     for name in ("typo", "bad_value", "ambiguous", "abbrev"):
         assert static["cases"][name]["problems"] == real["cases"][name]["problems"]
+
+
+# -- the launch preflight's parser cache for vLLM (launch_check_vllm + argtable + launch_cache) --
+
+def launch_check(venv, root, cases: dict) -> dict:
+    """launch_check_vllm, the host program itself, on the real venv with `root` as deploy root."""
+    from servops import remote
+
+    program = remote.with_args("launch_check_vllm", {
+        "branches": [{"id": name, "argv": argv} for name, argv in cases.items()], "deploy_root": str(root)})
+    out = subprocess.run([str(venv / "bin" / "python"), "-"], input=program, capture_output=True, text=True,
+                         timeout=300, cwd="/", env={"PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def verdicts(reply: dict) -> dict:
+    return {name: {k: b[k] for k in ("ok", "problems", "warnings", "values")} for name, b in reply["branches"].items()}
+
+
+def test_a_second_check_reads_the_cached_table_with_the_real_parsers_verdict(vllm_venv, tmp_path):
+    import os
+
+    cases = {k: CASES[k] for k in ("good", "typo", "abbrev", "bad_value", "flexible")}
+    root = tmp_path / "deploy"
+    root.mkdir()
+    first = launch_check(vllm_venv, root, cases)
+    assert first["engine"]["parser"] == "real" and first["engine"]["cache"] == "missing; written"
+    cached = next((root / ".launch-cache").glob("vllm-*.json"))
+    assert cached.stat().st_mode & 0o777 == 0o600
+    second = launch_check(vllm_venv, root, cases)
+    assert second["engine"]["parser"] == "cached" and second["engine"]["cache"] == "hit"
+    assert verdicts(second) == verdicts(first)  # refusals with vLLM's messages, warnings, values: all the same
+    assert "parser_s" not in second["timings"]  # vllm was not imported
+    # a value of a flag vLLM converts with its own function, never seen: the real parser decides
+    new_value = {"good": GOOD + ["--max-model-len", "2k"]}
+    third = launch_check(vllm_venv, root, new_value)
+    assert third["engine"]["parser"] == "real" and third["engine"]["cache"].startswith("undecided: Undecidable: --max-model-len 2k")
+    assert launch_check(vllm_venv, root, new_value)["engine"]["parser"] == "cached"  # learnt
+    # vLLM edited in place (a source the parser is built from): stale, the real parser, rewritten
+    arg_utils = Path(first["engine"]["package"]) / "engine" / "arg_utils.py"
+    st = arg_utils.stat()
+    try:
+        os.utime(arg_utils, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        stale = launch_check(vllm_venv, root, cases)
+        assert stale["engine"]["parser"] == "real"
+        assert stale["engine"]["cache"] == "stale: sources changed; written"
+        assert verdicts(stale) == verdicts(first)
+    finally:
+        os.utime(arg_utils, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_host_never_deployed_to_keeps_no_cache(vllm_venv, tmp_path):
+    reply = launch_check(vllm_venv, tmp_path / "never-deployed", {"good": GOOD})
+    assert reply["engine"]["parser"] == "real"
+    assert reply["engine"]["cache"].startswith("missing; not written: no deploy root")
+    assert not (tmp_path / "never-deployed").exists()

@@ -20,16 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from servops.lab import venvs
+from servops.lab import venvs, vllmlab
+from servops.lab.vllmlab import compile_cache
 from servops.lab.sshd import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TINYMODEL = REPO / "servops" / "lab" / "tinymodel.py"
 LAUNCH_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def compile_cache(venv: Path) -> Path:
-    return venvs.CACHE / "vllm-compile" / venv.name
 
 
 def server_env(venv: Path) -> dict[str, str]:
@@ -44,20 +41,6 @@ def server_env(venv: Path) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_USE_AOT_COMPILE": "0",
     })
     return env
-
-
-def make_tiny_models(venv: Path) -> dict[str, Path]:
-    """shape -> model dir, generated once per fingerprint into the test cache."""
-    py = str(venv / "bin" / "python")
-    fp = subprocess.run([py, "-c", f"import runpy; print(runpy.run_path({str(TINYMODEL)!r})['fingerprint']())"],
-                        check=True, capture_output=True, text=True).stdout.strip()
-    out = {}
-    for shape in ("llama-h256", "llama-hd16"):
-        d = venvs.CACHE / "tiny-models" / f"{shape}-{fp}"
-        if not (d / "model.safetensors").exists():
-            subprocess.run([py, str(TINYMODEL), str(d), "--shape", shape], check=True, stdout=subprocess.DEVNULL)
-        out[shape] = d
-    return out
 
 
 @dataclass
@@ -153,7 +136,7 @@ def vllm_venv() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(vllm_venv) -> dict[str, Path]:
-    return make_tiny_models(vllm_venv)
+    return vllmlab.tiny_models(vllm_venv)
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@
 #   - a value of a flag with a custom `type=` function (or choices that are not plain values),
 #     unless the real parser already converted that very value: its verdict (the value, or
 #     argparse's message) is kept in the table's memo, recorded while the real parser ran;
-#   - a parser of another class than argparse.ArgumentParser (a parse_args of its own), one
-#     with mutually exclusive groups or @file arguments: no table at all (table_of -> None).
+#   - a parser of another class than argparse.ArgumentParser (a parse_args of its own, unless
+#     the caller reproduces it: subclass_ok), one with mutually exclusive groups or @file
+#     arguments: no table at all (table_of -> None).
 import argparse
 
 SCHEMA = 1
@@ -88,11 +89,16 @@ def memo_key(action, arg_strings):
                          "\x00".join(arg_strings) if isinstance(arg_strings, (list, tuple)) else "\x01")
 
 
-def table_of(parser, memo=None):
-    """The parser as a flag table (a dict), or None when a table cannot stand for it."""
-    if type(parser) is not argparse.ArgumentParser or parser._mutually_exclusive_groups \
-            or parser.fromfile_prefix_chars:
+def table_of(parser, memo=None, subclass_ok=False):
+    """The parser as a flag table (a dict), or None when a table cannot stand for it.
+    subclass_ok: the parser's class is a subclass whose own parse_args the caller reproduces
+    before the table parses (vLLM's FlexibleArgumentParser: vllm_args.normalize); its set of
+    deprecated actions (`_deprecated`) is kept."""
+    exact = type(parser) is argparse.ArgumentParser
+    if not (exact or (subclass_ok and isinstance(parser, argparse.ArgumentParser))) \
+            or parser._mutually_exclusive_groups or parser.fromfile_prefix_chars:
         return None
+    deprecated = getattr(parser, "_deprecated", None) or ()
     actions = []
     for action in parser._actions:
         cls = type(action)
@@ -109,6 +115,8 @@ def table_of(parser, memo=None):
             row["metavar"] = list(row["metavar"])
         if getattr(action, "deprecated", False) is True:
             row["py_deprecated"] = True
+        if action in deprecated:
+            row["engine_deprecated"] = True
         new_flag = getattr(action, "new_flag", None)
         if isinstance(new_flag, str):
             row["new_flag"] = new_flag
@@ -187,6 +195,7 @@ def parser_of(table):
     if not isinstance(memo, dict):
         raise ValueError("memo is not a mapping")
     parser.servops_memo_table = memo
+    parser._deprecated = set()
     for row in table["actions"]:
         cls = _STANDARD.get(row["class"]) if row["class"] else _Opaque
         if cls is None:
@@ -203,4 +212,6 @@ def parser_of(table):
         if "new_flag" in row:
             action.new_flag = str(row["new_flag"])
         parser._add_action(action)
+        if row.get("engine_deprecated"):
+            parser._deprecated.add(action)
     return parser

