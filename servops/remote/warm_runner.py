@@ -108,6 +108,10 @@ def run(program, reader):
         os.dup2(null, 0)
         os.close(null)
         run_child(program)
+    try:
+        os.setpgid(pid, pid)  # from this side too: a kill sent at once must find the group
+    except OSError:
+        pass  # it exists already (the child was first), or the child is gone
     os.close(out_w)
     os.close(err_w)
     kinds = {out_r: b"o", err_r: b"e"}
