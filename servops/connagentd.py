@@ -308,7 +308,7 @@ def serve(spec: dict) -> int:
         transport.set_keepalive(15)
         state = _State(float(spec["persist"]), warnings)
         spare = _Spare(transport, sshconnect.connect_timeout(host))
-        runners = WarmRunners(transport, sshconnect.connect_timeout(host))
+        runners = WarmRunners(transport, sshconnect.connect_timeout(host), float(spec["persist"]))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         tmp = f"{path}.{os.getpid()}"
         for stale in (tmp, path):

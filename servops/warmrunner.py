@@ -25,6 +25,7 @@ from .connagent import Frames, frame
 # Its own text arrives as BOOT's first stdin line (a JSON string); then the frames begin.
 BOOT = "import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline()),'<servops-warm-runner>','exec'))"
 RETRY_AFTER = 60.0  # seconds before a runner that failed to start is tried again
+IDLE_MARGIN = 60.0  # the runner outlives its agent's idle time by this much, at most
 
 
 def boot_command(python: str) -> str:
@@ -40,8 +41,8 @@ class Outcome:
 class WarmRunner:
     """One remote python's warm interpreter on the agent's connection."""
 
-    def __init__(self, transport, python: str, timeout: float):
-        self.transport, self.python, self.timeout = transport, python, timeout
+    def __init__(self, transport, python: str, timeout: float, idle: float):
+        self.transport, self.python, self.timeout, self.idle = transport, python, timeout, idle
         self._busy = threading.Lock()
         self._state = threading.Lock()
         self._chan = None
@@ -63,7 +64,8 @@ class WarmRunner:
         try:
             chan = self.transport.open_session(timeout=self.timeout)
             chan.exec_command(boot_command(self.python))
-            chan.sendall(json.dumps(remote.standalone("warm_runner")).encode() + b"\n")
+            text = f"_IDLE_S = {float(self.idle) + IDLE_MARGIN!r}\n" + remote.standalone("warm_runner")
+            chan.sendall(json.dumps(text).encode() + b"\n")
             frames = Frames()
             deadline = time.monotonic() + self.timeout
             while time.monotonic() < deadline:
@@ -150,8 +152,8 @@ class WarmRunner:
 class WarmRunners:
     """The agent's runners, one per remote python, made on first use."""
 
-    def __init__(self, transport, timeout: float):
-        self.transport, self.timeout = transport, timeout
+    def __init__(self, transport, timeout: float, idle: float):
+        self.transport, self.timeout, self.idle = transport, timeout, idle
         self._lock = threading.Lock()
         self._runners: dict[str, WarmRunner] = {}
 
@@ -159,6 +161,6 @@ class WarmRunners:
         with self._lock:
             runner = self._runners.get(python)
             if runner is None:
-                runner = self._runners[python] = WarmRunner(self.transport, python, self.timeout)
+                runner = self._runners[python] = WarmRunner(self.transport, python, self.timeout, self.idle)
         runner.ensure_started()
         return runner

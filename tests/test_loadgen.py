@@ -331,3 +331,57 @@ def test_a_stream_of_only_empty_text_is_ok_where_empty_text_is_a_token():
             acc.feed(0.01 * i, piece)
         rec = acc.finish()
         assert rec["ok"] is ok and (ok or rec["error"] == "no tokens streamed")
+
+
+def test_the_server_monitor_stops_even_when_its_cancel_is_swallowed():
+    """On python < 3.12 asyncio.wait_for swallows a cancel that lands after its inner request
+    completed but before it resumed (cpython gh-86296); the monitor's scrape runs under it, so a
+    bench level once hung for ever at its end on a real vLLM host. A real HTTP server here calls
+    stop() k loop steps after it wrote each /metrics answer, for k around that window (k = 2..4
+    hung before the fix on python 3.11): every stop() must return, and no sample comes after it."""
+    import asyncio
+
+    async def scenario():
+        state = {}
+
+        async def metrics(reader, writer):
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                while (await reader.readline()) not in (b"\r\n", b""):
+                    pass
+                body = b"vllm:num_requests_running 0\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                if state.get("armed"):
+                    state["armed"] = False
+                    loop = asyncio.get_running_loop()
+
+                    def after(steps):
+                        if steps:
+                            loop.call_soon(after, steps - 1)
+                        else:
+                            state["stop"] = asyncio.ensure_future(state["mon"].stop())
+                    loop.call_soon(after, state["k"])
+
+        server = await asyncio.start_server(metrics, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stuck = []
+        for k in range(12):
+            mon = loadgen.ServerMonitor(f"http://127.0.0.1:{port}")
+            state.update(armed=False, stop=None, k=k, mon=mon)
+            await mon.start()
+            state["armed"] = True  # the loop's next scrape triggers the stop
+            while state["stop"] is None:
+                await asyncio.sleep(0.01)
+            done, _ = await asyncio.wait([state["stop"]], timeout=5)
+            if not done:
+                stuck.append(k)
+                continue
+            samples = len(mon.series)
+            await asyncio.sleep(1.3)  # a loop that went on would scrape again by now
+            assert len(mon.series) == samples, f"k={k}: the monitor kept sampling after stop()"
+        server.close()
+        return stuck
+
+    assert asyncio.run(scenario()) == []

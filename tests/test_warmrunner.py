@@ -21,11 +21,12 @@ from servops.warmrunner import BOOT
 class Runner:
     """warm_runner.py started as the agent starts it (`python -c BOOT`, its text on stdin)."""
 
-    def __init__(self, env=None):
+    def __init__(self, env=None, idle=None):
         self.proc = subprocess.Popen([sys.executable, "-c", BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env)
         self.frames = Frames()
-        self.proc.stdin.write(json.dumps(remote.standalone("warm_runner")).encode() + b"\n")
+        text = (f"_IDLE_S = {idle!r}\n" if idle else "") + remote.standalone("warm_runner")
+        self.proc.stdin.write(json.dumps(text).encode() + b"\n")
         self.proc.stdin.flush()
         kind, payload = self.until("r")[-1]
         assert kind == "r" and json.loads(payload)["pid"] == self.proc.pid
@@ -140,3 +141,12 @@ def test_a_changed_sys_path_makes_it_stale(tmp_path):
 def test_it_ends_with_its_stdin(runner):
     assert runner.run("print(1)\n")[0] == 0
     assert runner.close() == 0
+
+
+def test_it_ends_when_idle_even_if_its_stdin_stays_open():
+    """A connection held open between agent and host (a proxy) must not keep it for ever."""
+    r = Runner(idle=0.5)
+    assert r.run("print(1)\n") == (0, "1\n", "")
+    t0 = time.monotonic()
+    assert r.proc.wait(10) == 0  # stdin still open: it ended on its idle time
+    assert time.monotonic() - t0 < 5

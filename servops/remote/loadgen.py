@@ -871,6 +871,7 @@ class ServerMonitor:
         self.first = self.last = None
         self.t0 = time.perf_counter()
         self._task = None
+        self._stopped = False
 
     async def scrape(self):
         try:
@@ -890,11 +891,13 @@ class ServerMonitor:
 
     async def _loop(self):
         wait = 0.25  # an early look at a short level, then 1 Hz
-        while True:
+        while not self._stopped:
             await asyncio.sleep(wait)
             wait = 1.0
+            if self._stopped:
+                break
             snap = await self.scrape()
-            if snap:
+            if snap and not self._stopped:
                 self._sample(snap)
 
     def _sample(self, snap):
@@ -902,12 +905,14 @@ class ServerMonitor:
             _metric(snap, GAUGES[k], ratio=(k == "token_usage")) for k in ("running", "queued", "token_usage", "gen_throughput")])
 
     async def stop(self):
+        self._stopped = True
         if self._task:
+            # On python < 3.12 asyncio.wait_for (inside scrape) swallows a cancel that lands as its
+            # request completes (cpython gh-86296): the loop then went on scraping and awaiting the
+            # task hung the level for ever (seen on a real vLLM host's python 3.11). The flag ends
+            # the loop at its next step whatever the cancel did, and the wait is bounded.
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait([self._task], timeout=10)
         self.last = await self.scrape()
         if self.last:
             self._sample(self.last)

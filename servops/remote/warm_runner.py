@@ -11,12 +11,15 @@
 #                    status; or s (stale: this interpreter or its sys.path changed since it
 #                    started -- nothing ran, and the runner exits: the agent runs the program
 #                    the ordinary way and starts a fresh runner)
-# The runner ends at its stdin's EOF (the agent or its connection went).
+# The runner ends at its stdin's EOF (the agent or its connection went), or when no program
+# came for _IDLE_S seconds (set by the agent before this text: its own idle time and a margin),
+# should its connection be held open by something between (a proxy, a half-dead NAT).
 import os
 import select
 import sys
 
 OUT = sys.stdout.buffer
+IDLE_S = float(globals().get("_IDLE_S") or 3600)
 
 
 def fingerprint():
@@ -154,7 +157,7 @@ def main():
     while True:
         got = reader.frame()
         if got is None:
-            if reader.eof:
+            if reader.eof or not select.select([0], [], [], IDLE_S)[0]:
                 return
             reader.fill()
             continue
