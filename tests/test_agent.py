@@ -248,13 +248,12 @@ def test_no_persist_connects_directly_and_leaves_nothing(counted, agents):
 LATE_OUTPUT = "(sleep 0.5; echo late) & echo early"
 
 
-def test_commands_through_the_agent_keep_the_direct_contract(counted, agents, monkeypatch):
-    """Stdin, exit codes, stderr, timeouts, streaming and the streamed-tail bound, remote
-    programs, and a connection lost mid-command: as HostSession.run does directly."""
-    from servops.errors import TransportError
-    from servops.inspect import InspectRequest, inspect_file
+@pytest.fixture
+def agent_session(counted, agents, monkeypatch):
+    """A HostSession of lab1 through a warm agent (the first command connected and left it), the
+    agent's pid and the connection-counting proxy."""
     from servops.inventory import load_inventory
-    from servops.transport import KEEP_STREAMED, Session
+    from servops.transport import Session
 
     inv_path, proxy = counted()
     monkeypatch.setenv("SERVOPS_AGENT_DIR", agents.dir)
@@ -263,36 +262,46 @@ def test_commands_through_the_agent_keep_the_direct_contract(counted, agents, mo
     with Session(inv) as session:
         assert session.host(inv.hosts["lab1"]).run("true").ok  # direct: leaves an agent
     pid, _sock = serving(agents.dir)
-    connections = proxy.connections
     with Session(inv) as session:
-        hs = session.host(inv.hosts["lab1"])
-        text = "".join(f"line {i}\n" for i in range(400_000))  # 5 MB each way
-        assert hs.run("cat", stdin=text, timeout=120).stdout == text
-        # sshd sends the exit status when the shell exits; a child still writing its output
-        # sends the rest after it: the command is over at the channel's EOF, not the status
-        assert hs.run(LATE_OUTPUT).stdout == "early\nlate\n"
-        res = hs.run("echo out; echo err >&2; exit 7")
-        assert (res.exited, res.stdout, res.stderr) == (7, "out\n", "err\n")
-        with pytest.raises(TransportError, match=r"remote command failed \(exit 7\): err"):
-            hs.run("echo err >&2; exit 7", check=True)
-        with pytest.raises(TransportError, match="timed out after 1s"):
-            hs.run("sleep 20", timeout=1)
-        assert hs.run("echo still-here").stdout == "still-here\n"
-        chunks = []
-        hs.run("for i in 1 2 3; do echo $i; sleep 0.5; done", on_output=chunks.append)
-        assert "".join(chunks) == "1\n2\n3\n" and len(chunks) >= 2  # handed on as printed
-        seen = [0]
-        res = hs.run("python3 -c \"import sys; [sys.stdout.write('é' * 65535 + 'x') for _ in range(700)]\"; echo done",
-                     timeout=120, on_output=lambda t: seen.__setitem__(0, seen[0] + len(t)))
-        assert res.ok and res.stdout.endswith("done\n") and seen[0] >= 700 * 65536
-        assert len(res.stdout.encode()) <= 2 * KEEP_STREAMED + 65536
-        assert inspect_file(hs, InspectRequest(CPP_EXT, lines="60:62"))["owner"]["version"] == "0.7.2.post1"
-        assert proxy.connections == connections  # all of it through the agent
-        # the agent dies mid-command: that command is lost (it may have run), the next connects afresh
-        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-        with pytest.raises(TransportError, match="SSH connection lost: the connection agent went away"):
-            hs.run("sleep 10; echo late")
-        assert hs.run("echo direct").stdout == "direct\n"
+        yield SimpleNamespace(hs=session.host(inv.hosts["lab1"]), pid=pid, proxy=proxy, inventory=inv_path)
+
+
+def test_commands_through_the_agent_keep_the_direct_contract(agent_session):
+    """Stdin, exit codes, stderr, timeouts, streaming and the streamed-tail bound, remote
+    programs, and a connection lost mid-command: as HostSession.run does directly."""
+    from servops.errors import TransportError
+    from servops.inspect import InspectRequest, inspect_file
+    from servops.transport import KEEP_STREAMED
+
+    hs, pid, proxy = agent_session.hs, agent_session.pid, agent_session.proxy
+    connections = proxy.connections
+    text = "".join(f"line {i}\n" for i in range(400_000))  # 5 MB each way
+    assert hs.run("cat", stdin=text, timeout=120).stdout == text
+    # sshd sends the exit status when the shell exits; a child still writing its output
+    # sends the rest after it: the command is over at the channel's EOF, not the status
+    assert hs.run(LATE_OUTPUT).stdout == "early\nlate\n"
+    res = hs.run("echo out; echo err >&2; exit 7")
+    assert (res.exited, res.stdout, res.stderr) == (7, "out\n", "err\n")
+    with pytest.raises(TransportError, match=r"remote command failed \(exit 7\): err"):
+        hs.run("echo err >&2; exit 7", check=True)
+    with pytest.raises(TransportError, match="timed out after 1s"):
+        hs.run("sleep 20", timeout=1)
+    assert hs.run("echo still-here").stdout == "still-here\n"
+    chunks = []
+    hs.run("for i in 1 2 3; do echo $i; sleep 0.5; done", on_output=chunks.append)
+    assert "".join(chunks) == "1\n2\n3\n" and len(chunks) >= 2  # handed on as printed
+    seen = [0]
+    res = hs.run("python3 -c \"import sys; [sys.stdout.write('é' * 65535 + 'x') for _ in range(700)]\"; echo done",
+                 timeout=120, on_output=lambda t: seen.__setitem__(0, seen[0] + len(t)))
+    assert res.ok and res.stdout.endswith("done\n") and seen[0] >= 700 * 65536
+    assert len(res.stdout.encode()) <= 2 * KEEP_STREAMED + 65536
+    assert inspect_file(hs, InspectRequest(CPP_EXT, lines="60:62"))["owner"]["version"] == "0.7.2.post1"
+    assert proxy.connections == connections  # all of it through the agent
+    # the agent dies mid-command: that command is lost (it may have run), the next connects afresh
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(TransportError, match="SSH connection lost: the connection agent went away"):
+        hs.run("sleep 10; echo late")
+    assert hs.run("echo direct").stdout == "direct\n"
     assert proxy.connections == connections + 1
 
 
@@ -368,23 +377,6 @@ def until_warm(hs, other_than=(), within: float = 30) -> int:
             return ppid
         time.sleep(0.1)
     raise AssertionError("no warm interpreter took the warm programs")
-
-
-@pytest.fixture
-def agent_session(counted, agents, monkeypatch):
-    """A HostSession of lab1 through a warm agent, and the connection-counting proxy."""
-    from servops.inventory import load_inventory
-    from servops.transport import Session
-
-    inv_path, proxy = counted()
-    monkeypatch.setenv("SERVOPS_AGENT_DIR", agents.dir)
-    monkeypatch.setenv("SERVOPS_PERSIST", "2m")
-    inv = load_inventory(inv_path)
-    with Session(inv) as session:
-        assert session.host(inv.hosts["lab1"]).run("true").ok  # direct: leaves an agent
-    serving(agents.dir)
-    with Session(inv) as session:
-        yield SimpleNamespace(hs=session.host(inv.hosts["lab1"]), proxy=proxy, inventory=inv_path)
 
 
 def test_read_only_programs_run_in_the_hosts_warm_interpreter(agent_session, agents):

@@ -2,7 +2,7 @@
 # parser produced, kept per venv and per installed engine, so the next check needs no import.
 # Standard library only; engine-neutral (the engine's program names its distribution, package
 # directory, the files its parser is read from and the environment variables it reads); needs
-# argtable before it (ParserCache).
+# argtable and sglang_args (its _one_line) before it (ParserCache, from_cache).
 #
 # One file per (engine, python executable, venv, engine environment) under
 # <deploy root>/.launch-cache/, named by a hash of those; it holds the KEY it was written
@@ -238,3 +238,27 @@ class ParserCache(object):
     def env_changed(self, env):
         """Whether a branch's env sets one of the engine's variables differently."""
         return any(self.base_env.get(k) != v for k, v in env.items() if k.startswith(self.env_prefixes))
+
+
+def from_cache(cache, info, validate):
+    """The branches' results from the cached table, as the engine's `validate(parser)` gives them:
+    (cache, parser, results). cache is None when the cache is off (no RECORD to key it by);
+    parser and results None when the table is missing, stale, damaged or cannot decide for
+    this argv (Undecidable). info["cache"] says which."""
+    if cache.record is None:
+        info["cache"] = "off: %s" % cache.off
+        return None, None, None
+    parser = cache.parser({})
+    info["cache"] = cache.state({})
+    if parser is None:
+        return cache, None, None
+    try:
+        return cache, parser, validate(parser)
+    except Undecidable as exc:
+        info["cache"] = "undecided: %s" % _one_line(exc)
+        return cache, None, None
+
+
+def note_saved(info, why):
+    """info["cache"] after the real parser's table was saved (why: None, or why not)."""
+    info["cache"] = "%s; %s" % (info["cache"], "written" if why is None else "not written: %s" % why)

@@ -156,20 +156,9 @@ def main():
     if pkg and ARGS.get("allow_real", True) and ARGS.get("cache", True):
         t = time.time()
         cache = ParserCache("sglang", CACHE_DIST, pkg, root, base_env, parser_sources(pkg), CACHE_ENV_PREFIXES)
-        if cache.record is None:
-            info["cache"] = "off: %s" % cache.off
-            cache = None
-        else:
-            parser = cache.parser({})
-            info["cache"] = cache.state({})
-            if parser is not None:
-                try:
-                    results, _envs = _validate_all(branches, version, parser, "cached", base_env, cache, pkg,
-                                                   info, timings)
-                    how = "cached"
-                except Undecidable as exc:
-                    info["cache"] = "undecided: %s" % _one_line(exc)
-                    parser = None
+        cache, parser, results = from_cache(cache, info, lambda cached: _validate_all(
+            branches, version, cached, "cached", base_env, cache, pkg, info, timings)[0])
+        how = "cached" if parser is not None else None
         timings["cache_s"] = round(time.time() - t, 3)
     if pkg and how is None:
         parser, how = _import_parser(pkg, info, timings)
@@ -182,7 +171,7 @@ def main():
                 why = cache.save({}, parser)
                 for rebuilt, env in envs:
                     why = why or cache.save(env, rebuilt)
-                info["cache"] = "%s; %s" % (info["cache"], "written" if why is None else "not written: %s" % why)
+                note_saved(info, why)
                 timings["cache_write_s"] = round(time.time() - t, 3)
     info["parser"] = how
     if parser is not None:

@@ -59,18 +59,8 @@ def main():
         # the table stands for FlexibleArgumentParser: normalize() is its parse_args' rewrite
         cache = ParserCache("vllm", CACHE_DISTS, pkg, root, dict(os.environ), vllm_parser_sources(pkg),
                             CACHE_ENV_PREFIXES, subclass_ok=True)
-        if cache.record is None:
-            info["cache"] = "off: %s" % cache.off
-            cache = None
-        else:
-            parser = cache.parser({})
-            info["cache"] = cache.state({})
-            if parser is not None:
-                try:
-                    results, how = _validate_branches(parser, branches, cached=True), "cached"
-                except Undecidable as exc:
-                    info["cache"] = "undecided: %s" % _one_line(exc)
-                    parser = None
+        cache, parser, results = from_cache(cache, info, lambda cached: _validate_branches(cached, branches, True))
+        how = "cached" if parser is not None else None
         timings["cache_s"] = round(time.time() - t, 3)
     if pkg and how is None:
         saved = _stdout_to_stderr()
@@ -91,7 +81,7 @@ def main():
             if how == "real" and cache is not None:
                 t = time.time()
                 why = cache.save({}, parser)
-                info["cache"] = "%s; %s" % (info["cache"], "written" if why is None else "not written: %s" % why)
+                note_saved(info, why)
                 timings["cache_write_s"] = round(time.time() - t, 3)
     info["parser"] = how
     if parser is not None:
