@@ -44,6 +44,8 @@ def round_trips(lab: BenchLab, label: str, venv: Path, variant: dict) -> None:
         hs = session.host(inv.hosts["lab1"])
         hs.run("true")  # connect once: both sides below reuse the connection
         root = deploy_root(hs.host)
+        # a host servops has deployed to: the cache lives in its deploy root, which a check never makes
+        Path(root).mkdir(parents=True, exist_ok=True)
         shutil.rmtree(Path(root) / CACHE, ignore_errors=True)
         bare, checks, kinds = [], [], []
         for _ in range(ROUNDS):
@@ -85,6 +87,7 @@ def main() -> None:
         inv = _inventory(lab, real, "bench-cli.yml")
         root = load_inventory(inv).hosts["lab1"].get("deploy_root")
         firsts, seconds = [], []
+        Path(root).mkdir(parents=True, exist_ok=True)  # as above: deployed to before
         for _ in range(3):
             shutil.rmtree(Path(root) / CACHE, ignore_errors=True)
             t1, p1 = cli_check(inv)
