@@ -112,13 +112,38 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
     return study, storage
 
 
-def reclaim_own(study, storage, host: str) -> list[int]:
+def ask_owned(study, owner: dict):
+    """study.ask() for a trial that is its owner's (`host`) from the write that creates it.
+
+    A plain ask() creates the trial RUNNING and nobody's, then samples its point (TPE: tens to
+    hundreds of ms); a controller killed in that window left a trial no --resume could tell was
+    its own, RUNNING for ever. So the owner is enqueued as a trial of no fixed params, which
+    ask() then pops (and samples as usual). A waiting trial already queued (a reclaimed point)
+    is popped first instead: it carries its own host from its enqueue."""
+    from optuna.trial import TrialState
+
+    if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        study.enqueue_trial({}, user_attrs=owner)
+    ot = study.ask()
+    for key, value in owner.items():
+        if ot.user_attrs.get(key) != value:
+            ot.set_user_attr(key, value)
+    return ot
+
+
+def reclaim_own(study, storage, host: str, ownerless_after_s: float = GRACE_S) -> list[int]:
     """--resume: this host's trials still RUNNING were cut off (a host runs one at a time): failed
-    and their points enqueued again. Then Optuna's stale check for the other controllers'."""
+    and their points enqueued again. A RUNNING trial of no host older than ownerless_after_s (an
+    ask() cut off before ask_owned, or by another controller's race for a queued trial) never
+    ran anywhere: failed, not counted, nothing to ask again. Then Optuna's stale check for the
+    other controllers'."""
+    import datetime
+
     import optuna
     from optuna.trial import TrialState
 
     numbers = []
+    now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t.user_attrs.get("host") == host:
             storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "enqueued")
@@ -126,6 +151,10 @@ def reclaim_own(study, storage, host: str) -> list[int]:
             attrs = {k: v for k, v in t.user_attrs.items() if k in ("tid", "host", "label")}
             study.enqueue_trial(t.params, user_attrs=dict(attrs, reclaims=t.number))
             numbers.append(t.number)
+        elif not t.user_attrs.get("host") and t.datetime_start is not None \
+                and (now - t.datetime_start).total_seconds() >= ownerless_after_s:
+            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "never owned")
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     optuna.storages.fail_stale_trials(study)
     return numbers
 

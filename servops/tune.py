@@ -659,16 +659,24 @@ class Runner:
                 if self.camp.max_trials is not None and used >= self.camp.max_trials:
                     self.say(f"tune: budget: {used} trials run (max_trials {self.camp.max_trials}); stopping")
                     return
-                ot = self.study.ask()
+                ot = studymod.ask_owned(self.study, {"host": self.hs.host.name})
                 space, point = searchmod.suggest(self.camp.spaces, ot)
                 tid = ot.user_attrs.get("tid") or f"s{ot.number:03d}"
                 label = searchmod.point_label(space, point)
-                for key, value in (("tid", tid), ("host", self.hs.host.name), ("label", label)):
+                for key, value in (("tid", tid), ("label", label)):
                     ot.set_user_attr(key, value)
             self.current = (None, ot)
             t = point_trial(self.camp.name, space, point, tid, label)
             self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
             k = used + 1
+            finished = self._done_of(tid) or (self.fleet.done_of(tid) if self.fleet is not None else None)
+            if ot.user_attrs.get("reclaims") is not None and finished and finished.get("outcome") != "duplicate":
+                # it finished and was journaled, its controller stopped before the study was told
+                self._tell(ot, finished)
+                self.current = None
+                self.phase(t, k, "done", f"had finished before its controller stopped ({finished.get('outcome')}): "
+                                         "told to the study, not run again")
+                continue
             try:
                 self._check(t)
             except TuneError as exc:

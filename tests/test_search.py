@@ -152,3 +152,39 @@ def test_suggest_and_point_of_round_trip_through_a_real_sqlite_study(tmp_path):
     assert states.count(optuna.trial.TrialState.FAIL) == 1
     with pytest.raises(studymod.StudyError, match="is to maximize, the campaign's objective to minimize"):
         studymod.open_study("camp", url, "tpe", "minimize", 1, 6)
+
+
+def test_an_asked_trial_is_its_hosts_from_its_first_write_so_a_kill_at_any_step_is_reclaimed(tmp_path):
+    """A controller SIGKILLed at any point of an ask leaves nothing RUNNING that --resume cannot finish."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from servops import study as studymod
+
+    camp = load_campaign(write(tmp_path, search="tpe", seed=3, candidates=[SPACE]))
+    url = studymod.default_url(tmp_path)
+    study, storage = studymod.open_study("camp", url, "tpe", "maximize", 3, 6)
+    # killed right after the ask (before its point or tid was written): already gpu1's
+    cut = studymod.ask_owned(study, {"host": "gpu1"})
+    assert storage.get_trial(cut._trial_id).user_attrs["host"] == "gpu1"
+    # an ownerless RUNNING trial (a plain ask() cut off, as before ask_owned): failed once it is old
+    orphan = study.ask()
+    # killed between the owner's enqueue and the ask: a waiting trial, not counted, asked next
+    study.enqueue_trial({}, user_attrs={"host": "gpu2"})
+    assert studymod.counted(study) == 2
+    again, storage = studymod.open_study("camp", url, "tpe", "maximize", 3, 6)
+    assert studymod.reclaim_own(again, storage, "gpu1") == [cut.number]
+    assert storage.get_trial(orphan._trial_id).state == TrialState.RUNNING  # could be a live controller's
+    assert studymod.reclaim_own(again, storage, "gpu2", ownerless_after_s=0) == []
+    assert storage.get_trial(orphan._trial_id).state == TrialState.FAIL
+    # the queue: gpu2's stub, then cut's point; every ask pops one and owns it
+    first = studymod.ask_owned(again, {"host": "gpu3"})
+    second = studymod.ask_owned(again, {"host": "gpu3"})
+    search.suggest(camp.spaces, first)
+    search.suggest(camp.spaces, second)
+    assert second.user_attrs["reclaims"] == cut.number and first.user_attrs["host"] == second.user_attrs["host"] == "gpu3"
+    for ot in (first, second):
+        again.tell(ot, 1.0)
+    assert all(t.state.is_finished() for t in again.get_trials())
+    assert studymod.counted(again) == 2  # the cut one counts through its retry, the orphan not at all
+    assert not again.get_trials(states=(TrialState.WAITING,)) and isinstance(first, optuna.Trial)

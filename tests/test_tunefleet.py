@@ -266,7 +266,7 @@ def test_a_killed_fleet_campaign_resumes_without_losing_or_repeating_a_trial(fle
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"lab\d +tune: study trial #\d+ was cut off mid-trial", res.stdout), res.stdout
     study = study_of(results, "killfleet")
-    assert all(t.state.is_finished() for t in study)
+    assert all(t.state.is_finished() for t in study), [(t.number, t.state, t.user_attrs) for t in study]
     ran = [t for t in study if not t.user_attrs.get("same_as")]
     failed = [t for t in ran if t.state == optuna.trial.TrialState.FAIL]
     # each trial cut off (one per host that was mid-trial) failed, and its point ran again under its id
