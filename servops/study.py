@@ -133,7 +133,8 @@ def ask_owned(study, owner: dict):
 
 def reclaim_own(study, storage, host: str, ownerless_after_s: float = GRACE_S) -> list[int]:
     """--resume: this host's trials still RUNNING were cut off (a host runs one at a time): failed
-    and their points enqueued again. A RUNNING trial of no host older than ownerless_after_s (an
+    and their points enqueued again (one cut off before its point was drawn: failed, uncounted,
+    nothing to ask again). A RUNNING trial of no host older than ownerless_after_s (an
     ask() cut off before ask_owned, or by another controller's race for a queued trial) never
     ran anywhere: failed, not counted, nothing to ask again. Then Optuna's stale check for the
     other controllers'."""
@@ -145,7 +146,10 @@ def reclaim_own(study, storage, host: str, ownerless_after_s: float = GRACE_S) -
     numbers = []
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if t.user_attrs.get("host") == host:
+        if t.user_attrs.get("host") == host and not t.params:  # cut off before its point was drawn
+            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "never ran")
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        elif t.user_attrs.get("host") == host:
             storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "enqueued")
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             attrs = {k: v for k, v in t.user_attrs.items() if k in ("tid", "host", "label")}

@@ -164,16 +164,20 @@ def test_an_asked_trial_is_its_hosts_from_its_first_write_so_a_kill_at_any_step_
     camp = load_campaign(write(tmp_path, search="tpe", seed=3, candidates=[SPACE]))
     url = studymod.default_url(tmp_path)
     study, storage = studymod.open_study("camp", url, "tpe", "maximize", 3, 6)
-    # killed right after the ask (before its point or tid was written): already gpu1's
+    # killed right after the ask, before its point was drawn: already gpu1's, nothing to ask again
+    pointless = studymod.ask_owned(study, {"host": "gpu1"})
+    assert storage.get_trial(pointless._trial_id).user_attrs["host"] == "gpu1"
+    # killed after its point was drawn, before its tid was written
     cut = studymod.ask_owned(study, {"host": "gpu1"})
-    assert storage.get_trial(cut._trial_id).user_attrs["host"] == "gpu1"
+    search.suggest(camp.spaces, cut)
     # an ownerless RUNNING trial (a plain ask() cut off, as before ask_owned): failed once it is old
     orphan = study.ask()
     # killed between the owner's enqueue and the ask: a waiting trial, not counted, asked next
     study.enqueue_trial({}, user_attrs={"host": "gpu2"})
-    assert studymod.counted(study) == 2
+    assert studymod.counted(study) == 3
     again, storage = studymod.open_study("camp", url, "tpe", "maximize", 3, 6)
     assert studymod.reclaim_own(again, storage, "gpu1") == [cut.number]
+    assert storage.get_trial(pointless._trial_id).user_attrs["reclaimed_as"] == "never ran"
     assert storage.get_trial(orphan._trial_id).state == TrialState.RUNNING  # could be a live controller's
     assert studymod.reclaim_own(again, storage, "gpu2", ownerless_after_s=0) == []
     assert storage.get_trial(orphan._trial_id).state == TrialState.FAIL
@@ -186,5 +190,5 @@ def test_an_asked_trial_is_its_hosts_from_its_first_write_so_a_kill_at_any_step_
     for ot in (first, second):
         again.tell(ot, 1.0)
     assert all(t.state.is_finished() for t in again.get_trials())
-    assert studymod.counted(again) == 2  # the cut one counts through its retry, the orphan not at all
+    assert studymod.counted(again) == 2  # the cut one counts through its retry, the pointless and orphan not at all
     assert not again.get_trials(states=(TrialState.WAITING,)) and isinstance(first, optuna.Trial)
