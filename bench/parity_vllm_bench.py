@@ -137,8 +137,9 @@ def servops_level(lab: VllmLab, level: int, requests: int, seed: int, lengths: s
     if not saved:
         raise SystemExit(f"invoke bench saved nothing:\n{out[-3000:]}")
     line = json.loads(Path(saved.group(1)).read_text().splitlines()[-1])
-    if line["completed"] != requests:
-        raise SystemExit(f"servops at {level}: {line['completed']}/{requests} completed")
+    if line["completed"] != requests or len(line.get("ttfts") or []) != requests:
+        raise SystemExit(f"servops at {level}: {line['completed']}/{requests} completed, "
+                         f"{len(line.get('ttfts') or [])} TTFTs")
     return line
 
 
@@ -147,15 +148,17 @@ def vllm_level(lab: VllmLab, level: int, requests: int, seed: int, lengths: str)
             "--base-url", f"http://127.0.0.1:{lab.port}", "--model", str(lab.model), "--tokenizer", str(lab.model),
             "--dataset-name", "random", *LENGTHS[lengths][1],
             "--num-prompts", str(requests), "--max-concurrency", str(level), "--ignore-eos",
-            "--num-warmups", str(2 * level), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el"]
+            "--num-warmups", str(2 * level), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--save-detailed"]  # (keeps the per-request ttfts in the returned result)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     res = subprocess.run(argv, env=env, text=True, capture_output=True, timeout=900)
     found = [l for l in res.stdout.splitlines() if l.startswith("PARITY ")]
     if res.returncode != 0 or not found:
         raise SystemExit(f"vllm bench serve at {level} exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
     line = json.loads(found[-1][len("PARITY "):])
-    if line["completed"] != requests:
-        raise SystemExit(f"vllm bench serve at {level}: {line['completed']}/{requests} completed")
+    if line["completed"] != requests or len(line["ttfts"]) != requests:
+        raise SystemExit(f"vllm bench serve at {level}: {line['completed']}/{requests} completed, "
+                         f"{len(line['ttfts'])} TTFTs")
     return line
 
 

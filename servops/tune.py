@@ -670,8 +670,10 @@ class Runner:
             self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
             k = used + 1
             finished = self._done_of(tid) or (self.fleet.done_of(tid) if self.fleet is not None else None)
-            if ot.user_attrs.get("reclaims") is not None and finished and finished.get("outcome") != "duplicate":
-                # it finished and was journaled, its controller stopped before the study was told
+            if (ot.user_attrs.get("reclaims") is not None and finished and finished.get("outcome") != "duplicate"
+                    and self._retry_trial(t, finished) is None):
+                # it finished and was journaled (no auto_patch retry owed), its controller stopped
+                # before the study was told
                 self._tell(ot, finished)
                 self.current = None
                 self.phase(t, k, "done", f"had finished before its controller stopped ({finished.get('outcome')}): "
