@@ -63,6 +63,11 @@ def reclaim(study, trial) -> None:
     """A dead controller's trial (failed): its point is asked again, under the same trial id."""
     if trial.user_attrs.get("reclaimed_as") or not trial.params:
         return
+    _ask_again(study, trial)
+
+
+def _ask_again(study, trial) -> None:
+    """trial's point, enqueued under its trial id, host and label."""
     attrs = {k: v for k, v in trial.user_attrs.items() if k in ("tid", "host", "label")}
     study.enqueue_trial(trial.params, user_attrs=dict(attrs, reclaims=trial.number))
 
@@ -146,19 +151,19 @@ def reclaim_own(study, storage, host: str, ownerless_after_s: float = GRACE_S) -
     numbers = []
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if t.user_attrs.get("host") == host and not t.params:  # cut off before its point was drawn
-            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "never ran")
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        elif t.user_attrs.get("host") == host:
-            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "enqueued")
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            attrs = {k: v for k, v in t.user_attrs.items() if k in ("tid", "host", "label")}
-            study.enqueue_trial(t.params, user_attrs=dict(attrs, reclaims=t.number))
-            numbers.append(t.number)
-        elif not t.user_attrs.get("host") and t.datetime_start is not None \
+        owner = t.user_attrs.get("host")
+        if owner == host:
+            why = "enqueued" if t.params else "never ran"  # (never ran: cut off before its point was drawn)
+        elif not owner and t.datetime_start is not None \
                 and (now - t.datetime_start).total_seconds() >= ownerless_after_s:
-            storage.set_trial_user_attr(t._trial_id, "reclaimed_as", "never owned")
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            why = "never owned"
+        else:
+            continue
+        storage.set_trial_user_attr(t._trial_id, "reclaimed_as", why)
+        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        if why == "enqueued":
+            _ask_again(study, t)
+            numbers.append(t.number)
     optuna.storages.fail_stale_trials(study)
     return numbers
 

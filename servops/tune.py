@@ -669,9 +669,8 @@ class Runner:
             t = point_trial(self.camp.name, space, point, tid, label)
             self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
             k = used + 1
-            finished = self._done_of(tid) or (self.fleet.done_of(tid) if self.fleet is not None else None)
-            if (ot.user_attrs.get("reclaims") is not None and finished and finished.get("outcome") != "duplicate"
-                    and self._retry_trial(t, finished) is None):
+            finished = self._done_anywhere(tid) if ot.user_attrs.get("reclaims") is not None else None
+            if finished and finished.get("outcome") != "duplicate" and self._retry_trial(t, finished) is None:
                 # it finished and was journaled (no auto_patch retry owed), its controller stopped
                 # before the study was told
                 self._tell(ot, finished)
@@ -696,8 +695,7 @@ class Runner:
                 ot.set_user_attr("same_as", twin)
                 self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "duplicate",
                                     "same_as": twin, "identity": self.identities.get(tid), "study_trial": ot.number})
-                self._tell(ot, self._done_of(twin) or (self.fleet.done_of(twin) if self.fleet is not None else None)
-                           or {})
+                self._tell(ot, self._done_anywhere(twin) or {})
                 self.current = None
                 self.phase(t, k, "done", f"same launch script and patches as {twin}: not run again")
                 if dupes >= 20:
@@ -746,6 +744,10 @@ class Runner:
 
     def _done_of(self, tid: str) -> dict | None:
         return next((e for e in self.done_entries() if e["trial"] == tid), None)
+
+    def _done_anywhere(self, tid: str) -> dict | None:
+        """Trial tid's done entry, from this host's log or (a fleet) any host's."""
+        return self._done_of(tid) or (self.fleet.done_of(tid) if self.fleet is not None else None)
 
     def _tell(self, ot, done: dict) -> None:
         """The trial's outcome, told to the study: a value (with its constraints), PRUNED or FAIL."""
