@@ -538,10 +538,13 @@ class Runner:
         self._best_release = (self.best() or {}).get("release") if self.prior else None
         self.ran_now = 0
         if not self.prior:
+            # the host answers before anything is journaled: a first run that cannot reach it
+            # leaves no log that would make the next plain run ask for --resume
+            current = releases.ctl(self.hs, "status").get("current")
             self.journal.write({"phase": "campaign", "outcome": "started", "servops_git": git_sha(),
                                 "trials": [{"trial": t.id, "label": t.label} for t in self.trials],
                                 "objective": self.camp.objective.written})
-            self.pin(releases.ctl(self.hs, "status").get("current"), "current when it started")
+            self.pin(current, "current when it started")
         self.preflight_all()
         stopped = False
         i = 0

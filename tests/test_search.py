@@ -107,6 +107,20 @@ def test_the_cli_refuses_a_bad_search_before_any_connection(tmp_path):
     assert res.returncode == 2 and "is a grid (search: grid)" in res.stderr
 
 
+def test_a_campaign_whose_host_cannot_be_reached_journals_nothing(tmp_path):
+    """A first run that fails at its first host command leaves no log a plain rerun would refuse."""
+    good = write(tmp_path, "good", search="tpe", candidates=[SPACE])
+    inv = tmp_path / "inv.yml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"gpu1": {
+        "ssh_host": "127.0.0.1", "ssh_key": str(tmp_path / "no-key"), "venv": "/opt/venv", "model_path": "/models/M", "tp": 8}}}}))
+    env = {"SERVOPS_RESULTS": str(tmp_path / "results")}
+    for _ in range(2):
+        res = run_invoke("tune", good, "-H", "gpu1", inventory=inv, env=env, timeout=60)
+        out = res.stdout + res.stderr
+        assert res.returncode != 0 and "no-key does not exist" in out and "--resume" not in out, out
+    assert not list((tmp_path / "results").rglob("trials.jsonl"))
+
+
 def test_levels_are_benched_in_the_order_that_fails_fastest():
     conds = parse_gate("p99_ttft_ms@10 <= 300, error_rate@1 <= 0, output_tps@256 >= 5, p99_ttft_ms@1024 <= 900")
     # ttft at 10 and the error rate at 1 are below the objective's 256: alone, lowest first
