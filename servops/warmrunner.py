@@ -119,6 +119,7 @@ class WarmRunner:
         as agent frames. A client that goes has the program killed. Releases the runner."""
         chan, frames = self._chan, self._frames
         output_sent = client_gone = False
+        held = True
         try:
             chan.sendall(frame("P", program))
             while True:
@@ -133,6 +134,11 @@ class WarmRunner:
                     if kind == "s":  # stale: it ran nothing and exits
                         self._give_up()
                         return Outcome.NOT_RUN
+                    if kind == "x":
+                        # free before the client hears the status: its next command (sent at
+                        # once) must find the runner free, not run the ordinary way beside it
+                        held = False
+                        self.release()
                     if kind in ("o", "e", "x") and not client_gone:
                         try:
                             sock.sendall(frame(kind, payload))
@@ -146,7 +152,8 @@ class WarmRunner:
             self._give_up()
             return Outcome.LOST if output_sent else Outcome.NOT_RUN
         finally:
-            self.release()
+            if held:
+                self.release()
 
 
 class WarmRunners:
