@@ -21,7 +21,9 @@ CATEGORY = {e["id"]: e["category"] for e in ISSUES}
 # the real vLLM's own crashes, provoked on the lab (tests/test_vllm_e2e.py, README's section):
 # each names its entry, and nothing else is named for it
 MADE_HERE = {"vllm-lab-head-dim-16.log": "attention-backend-unsupported-head-dim",
-             "vllm-lab-max-model-len.log": "context-length-exceeds-model"}
+             "vllm-lab-max-model-len.log": "context-length-exceeds-model",
+             "vllm-lab-eager-amx-sigill.log": "cpu-amx-state-not-requested",
+             "vllm-lab-eager-amx-sigill-faulthandler.log": "cpu-amx-state-not-requested"}
 
 
 def findings(text):

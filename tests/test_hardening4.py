@@ -48,30 +48,31 @@ def processes_of(root: Path) -> dict[int, str]:
     return found
 
 
-def host_programs_in_flight() -> list[int]:
-    """pids of servops host programs (`python -`) still running under an sshd session. A
-    controller SIGKILLed mid-command leaves its last program running on the host for a moment;
-    that program sees a dead guard as the next command would and starts a new one."""
-    found = []
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.split("(", 1)[1].rsplit(")", 1)[0], int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def host_commands_in_flight() -> list[int]:
+    """pids of commands still running in a session of this test run's lab sshd (an sshd whose
+    parent is this pytest). A controller SIGKILLed mid-command leaves its last command running on
+    the host for a moment, and that command sees a dead guard as the next one would and starts a
+    new guard. Not only `python -`: a login shell still sourcing the user's rc files (pyenv's can
+    take seconds on a busy machine) is a servops host program that has not begun yet."""
+    me, found = os.getpid(), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or not (own := _stat(int(entry))) or own[0].startswith("sshd"):
             continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue
-        if len(argv) != 2 or argv[1] != b"-" or b"python" not in argv[0]:
-            continue
-        pid = int(entry)
-        while pid > 1:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                break
-            if stat.split("(", 1)[1].rsplit(")", 1)[0].startswith("sshd"):  # sshd, sshd-session
+        pid = own[1]
+        while pid > 1 and (up := _stat(pid)):
+            if up[0].startswith("sshd") and up[1] == me:  # the session's sshd, under a lab master
                 found.append(int(entry))
                 break
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
+            pid = up[1]
     return found
 
 
@@ -306,7 +307,7 @@ def test_3_a_dead_guard_is_restarted_by_the_next_command(alab, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # the controller's last host program ends before the guard dies, so that `status` is the next command
-    assert wait_for(lambda: not host_programs_in_flight(), 30), host_programs_in_flight()
+    assert wait_for(lambda: not host_commands_in_flight(), 30), host_commands_in_flight()
     os.kill(guard, signal.SIGKILL)
     res = run_invoke("status", inventory=inv)
     assert "never finished" in res.stdout + res.stderr, res.stdout + res.stderr

