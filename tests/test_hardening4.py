@@ -48,32 +48,53 @@ def processes_of(root: Path) -> dict[int, str]:
     return found
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(comm, ppid) of a process, or None when it is gone."""
+def _stat(pid: int) -> tuple[str, int, str] | None:
+    """(comm, ppid, state) of a process, or None when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.split("(", 1)[1].rsplit(")", 1)[0], int(stat.rsplit(")", 1)[1].split()[1])
+    fields = stat.rsplit(")", 1)[1].split()
+    return stat.split("(", 1)[1].rsplit(")", 1)[0], int(fields[1]), fields[0]
 
 
-def host_commands_in_flight() -> list[int]:
-    """pids of commands still running in a session of this test run's lab sshd (an sshd whose
-    parent is this pytest). A controller SIGKILLed mid-command leaves its last command running on
-    the host for a moment, and that command sees a dead guard as the next one would and starts a
-    new guard. Not only `python -`: a login shell still sourcing the user's rc files (pyenv's can
-    take seconds on a busy machine) is a servops host program that has not begun yet."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or not (own := _stat(int(entry))) or own[0].startswith("sshd"):
+def host_commands_in_flight(lab) -> list[int]:
+    """pids of commands still running from a session of this lab's sshd. A controller SIGKILLed
+    mid-command leaves its last command running on the host for a moment, and that command sees
+    a dead guard as the next one would and starts a new guard. Found two ways: under a session's
+    sshd (a login shell still sourcing the user's rc files, which pyenv's can make take seconds
+    on a busy machine, is a host program that has not begun yet), and by the SSH_CONNECTION in
+    its environment, since a session whose client is gone exits and leaves its command to init.
+    The guards (daemons that fork from a host program) and the servers are not commands."""
+    me, found = os.getpid(), set()
+    sshd = lab.sshd_hosts(0)
+    session_of_lab = f" {sshd.address} {sshd.port}".encode()
+    guards = set()
+    for record in (root_of(lab) / "releases").glob("*/guard.pid"):
+        try:
+            guards.add(int(json.loads(record.read_text())["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        pid = own[1]
-        while pid > 1 and (up := _stat(pid)):
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or not (own := _stat(int(entry))) or own[0].startswith("sshd") or own[2] == "Z":
+            continue
+        pid = int(entry)
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            env = []
+        connection = next((v for v in env if v.startswith(b"SSH_CONNECTION=")), b"")
+        if connection.endswith(session_of_lab) and pid not in guards \
+                and not any(v.startswith(b"SERVOPS_RELEASE_DIR=") for v in env):
+            found.add(pid)
+            continue
+        up_pid = own[1]
+        while up_pid > 1 and (up := _stat(up_pid)):
             if up[0].startswith("sshd") and up[1] == me:  # the session's sshd, under a lab master
-                found.append(int(entry))
+                found.add(pid)
                 break
-            pid = up[1]
-    return found
+            up_pid = up[1]
+    return sorted(found)
 
 
 def port_free(port: int) -> bool:
@@ -307,7 +328,7 @@ def test_3_a_dead_guard_is_restarted_by_the_next_command(alab, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # the controller's last host program ends before the guard dies, so that `status` is the next command
-    assert wait_for(lambda: not host_commands_in_flight(), 30), host_commands_in_flight()
+    assert wait_for(lambda: not host_commands_in_flight(lab), 30), host_commands_in_flight(lab)
     os.kill(guard, signal.SIGKILL)
     res = run_invoke("status", inventory=inv)
     assert "never finished" in res.stdout + res.stderr, res.stdout + res.stderr
