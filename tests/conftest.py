@@ -37,6 +37,11 @@ os.environ["SERVOPS_HOSTS"] = "all"
 AGENT_DIR = tempfile.mkdtemp(prefix="servops-agents-")
 os.environ["SERVOPS_AGENT_DIR"] = AGENT_DIR
 os.environ["SERVOPS_PERSIST"] = os.environ.get("SERVOPS_TEST_PERSIST", "0")
+# A suite started in the background by a non-interactive shell (`pytest &`, nohup in a script)
+# inherits SIGINT ignored, and so would every command and sshd a test starts: the tests that press
+# Ctrl-C on a command (a deploy, `metrics --watch`) would see it ignored (seen: the deploy ran to
+# the end, exit 0). A Python handler here is reset to the default in every program started.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def agent_pids(directory: str) -> list[int]:

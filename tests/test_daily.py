@@ -244,8 +244,8 @@ def test_5_each_exit_status_comes_from_a_real_scenario(alab, tmp_path, sshd_host
     while time.monotonic() < deadline and not (current(lab) or "").endswith("-slow"):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 130                                                              # interrupted
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out                                                         # interrupted
 
 
 # ---- 6. the CLI's own mistakes -----------------------------------------------------------------

@@ -113,10 +113,12 @@ def test_watch_on_a_terminal_redraws_in_place_and_keeps_p99_at_120_columns(ranks
     os.close(slave)
     data = b""
 
-    def read(seconds):
+    def read(seconds, frames=None):
+        """Read the terminal for `seconds`, or until `frames` frames have been drawn (a loaded
+        machine can take seconds to start the command and reach the host)."""
         nonlocal data
         end = time.time() + seconds
-        while time.time() < end:
+        while time.time() < end and not (frames and data.count(b"server metrics") >= frames):
             ready, _, _ = select.select([master], [], [], 0.2)
             if ready:
                 try:
@@ -126,7 +128,7 @@ def test_watch_on_a_terminal_redraws_in_place_and_keeps_p99_at_120_columns(ranks
 
     try:
         busy(port, 4, 40)
-        read(8)
+        read(60, frames=4)
         proc.send_signal(signal.SIGINT)
         read(3)
         proc.wait(15)

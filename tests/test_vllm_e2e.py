@@ -189,7 +189,8 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
         assert res.returncode == 4 and f"rolled back to {baseline_release}" in res.stdout, res.stdout[-4000:]
         assert (root / "current").resolve().name == baseline_release and not port_free(port)
         sigill = sorted(p for p in (root / "releases").iterdir() if p.name.endswith("-vllm-eager"))[-1]
-        assert "died unexpectedly (exit code: -4)" in (sigill / "server.log").read_text()
+        log = (sigill / "server.log").read_text()
+        assert "died unexpectedly (exit code: -4)" in log, res.stdout[-3000:] + "\n--- server.log:\n" + log[-6000:]
         res = run_invoke("diagnose", "--release", sigill.name, inventory=inv, env=env, timeout=300, merged=True)
         assert "matched: cpu-amx-state-not-requested (arch-unsupported)" in res.stdout, res.stdout[-4000:]
         assert "cpu-attention-amx-permission" in res.stdout, res.stdout[-4000:]
