@@ -17,6 +17,16 @@ warmer server):
 Both draw input and output lengths uniform in [16, 48] tokens (`--lengths fixed`: 32 and 32;
 see LENGTHS for why fixed lengths make TTFT at concurrency 16 a one-draw figure).
 
+CPU placement (where vLLM's own binding left it CPUs of its own; `--no-placement` to skip): once
+the server is up, vLLM's worker keeps the CPUs its OpenMP binding gave it (on this 2-CPU machine
+CPU 0, the other CPU is what vLLM calls reserved), and every other thread of the server, of sshd
+(so every later SSH session: servops' load generator), of this script and of what it starts
+(vllm bench's client) is moved to the reserved CPUs. Left to the scheduler, the clients and the
+API server landed on the worker's CPU in some runs and not in others, and the server's own speed
+moved by up to 2x between adjacent runs (TPOT at concurrency 1: 20 to 45 ms in one 5-round run,
+for both tools alike), far above any difference between the tools. Each run's share of CPU time
+stolen by the hypervisor is printed beside it (`steal`), the noise no placement removes.
+
 Both send streamed /v1/completions with ignore_eos; both warm the server first (servops its
 settling waves, vLLM `--num-warmups`). Judged on each tool's median over the rounds (a round
 that met a scheduling storm on the shared cores moves a mean, not a median) of output
@@ -26,7 +36,7 @@ each tool's round-to-round spread is printed too, the noise floor the deviation 
 against. The last line is
 `max deviation at concurrency 1,4,16: X%` (goal: X <= 5).
 
-    python bench/parity_vllm_bench.py [--rounds N] [--lengths varied|fixed]
+    python bench/parity_vllm_bench.py [--rounds N] [--lengths varied|fixed] [--no-placement]
 """
 
 from __future__ import annotations
@@ -99,6 +109,62 @@ print("PARITY " + json.dumps(dict({k: v for k, v in result.items() if isinstance
 '''
 
 
+def allowed_cpus(pid: int, tid: int) -> set[int] | None:
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return None
+    spec = next(l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("Cpus_allowed_list:"))
+    cpus = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def process_tree(root: int) -> list[int]:
+    """root and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def place_cpus(server_pid: int, others: list[int]) -> str:
+    """Move every thread of the server's tree that vLLM did not bind, and of `others` (with
+    their trees), to the CPUs the worker's binding left free (see CPU placement)."""
+    every = set(os.sched_getaffinity(0))
+    threads = [(pid, int(tid)) for pid in process_tree(server_pid)
+               for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [])]
+    bound = set().union(*[c for pid, tid in threads if (c := allowed_cpus(pid, tid)) and c != every] or [set()])
+    rest = every - bound
+    if not bound or not rest:
+        return f"none (vLLM's binding: {sorted(bound) or 'none'}; nothing left for the rest)"
+    for pid in [*process_tree(server_pid), *(p for o in others for p in process_tree(o))]:
+        for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []):
+            if allowed_cpus(pid, int(tid)) == every:
+                try:
+                    os.sched_setaffinity(int(tid), rest)
+                except OSError:
+                    pass  # a thread that ended meanwhile
+    return f"vLLM's worker on CPUs {sorted(bound)}, every other process on {sorted(rest)}"
+
+
+def steal_share() -> tuple[int, int]:
+    """(steal, total) jiffies of the whole machine so far, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
 class VllmLab:
     """One real sshd host (127.0.0.6) whose inventory entry is inventory/lab-vllm.yml's vllm1."""
 
@@ -128,6 +194,7 @@ class VllmLab:
             deploy_root=str(self.tmp / "deploy"))
         self.inventory = self.tmp / "inventory.yml"
         self.inventory.write_text(yaml.safe_dump(lab, sort_keys=False))
+        self.server_root = self.tmp / "deploy"
         self.env = dict(os.environ, SERVOPS_INVENTORY=str(self.inventory), SERVOPS_RESULTS=str(self.tmp / "results"),
                         SERVOPS_PERSIST="0", NO_COLOR="1", COLUMNS="200")
 
@@ -222,22 +289,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lengths", choices=sorted(LENGTHS), default="varied",
                     help="request lengths: varied (uniform 16-48 tokens, the default) or fixed (32 and 32)")
+    ap.add_argument("--no-placement", action="store_true",
+                    help="leave every process to the scheduler (see CPU placement)")
     opts = ap.parse_args()
     lab = VllmLab()
     try:
         out = lab.invoke("deploy", "--variant", "vllm-baseline")
         print(out.strip().splitlines()[-1])
+        if not opts.no_placement:
+            server = json.loads((lab.server_root / "server.pid").read_text())["pid"]
+            print("CPU placement:", place_cpus(int(server), [lab.sshd.proc.pid, os.getpid()]))
         runs = {(tool, level): [] for tool in ("servops", "vllm") for level, _n in LEVELS}
         for rnd in range(opts.rounds):
             order = ("servops", "vllm") if rnd % 2 == 0 else ("vllm", "servops")
             for level, requests in LEVELS:
                 for tool in order:
                     fn = servops_level if tool == "servops" else vllm_level
+                    steal0, total0 = steal_share()
                     line = fn(lab, level, requests, seed=rnd + 1, lengths=opts.lengths)
+                    steal1, total1 = steal_share()
                     runs[(tool, level)].append(line)
                     print(f"round {rnd + 1} level {level:>2} {tool:<7}: {line['output_throughput']:8.1f} tok/s, "
                           f"TTFT mean {line['mean_ttft_ms']:6.1f} p99 {line['p99_ttft_ms']:6.1f} ms, "
-                          f"TPOT mean {line['mean_tpot_ms']:5.2f} ms", flush=True)
+                          f"TPOT mean {line['mean_tpot_ms']:5.2f} ms, "
+                          f"steal {100 * (steal1 - steal0) / max(1, total1 - total0):4.1f}%", flush=True)
         worst = 0.0
         print("\n(TTFT p99: over every round's requests after its first wave; TTFT p99 all: over every request;"
               "\n 1st wave TTFT: the mean over the rounds' first waves; the rest: the median of the rounds)")
