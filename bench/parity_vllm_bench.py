@@ -143,19 +143,22 @@ def place_cpus(server_pid: int, others: list[int]) -> str:
     """Move every thread of the server's tree that vLLM did not bind, and of `others` (with
     their trees), to the CPUs the worker's binding left free (see CPU placement)."""
     every = set(os.sched_getaffinity(0))
-    threads = [(pid, int(tid)) for pid in process_tree(server_pid)
-               for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [])]
-    bound = set().union(*[c for pid, tid in threads if (c := allowed_cpus(pid, tid)) and c != every] or [set()])
+
+    def threads(pids: list[int]) -> list[tuple[int, int]]:
+        return [(pid, int(tid)) for pid in pids
+                for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [])]
+
+    server = threads(process_tree(server_pid))
+    bound = set().union(*[c for pid, tid in server if (c := allowed_cpus(pid, tid)) and c != every] or [set()])
     rest = every - bound
     if not bound or not rest:
         return f"none (vLLM's binding: {sorted(bound) or 'none'}; nothing left for the rest)"
-    for pid in [*process_tree(server_pid), *(p for o in others for p in process_tree(o))]:
-        for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []):
-            if allowed_cpus(pid, int(tid)) == every:
-                try:
-                    os.sched_setaffinity(int(tid), rest)
-                except OSError:
-                    pass  # a thread that ended meanwhile
+    for pid, tid in server + threads([p for o in others for p in process_tree(o)]):
+        if allowed_cpus(pid, tid) == every:
+            try:
+                os.sched_setaffinity(tid, rest)
+            except OSError:
+                pass  # a thread that ended meanwhile
     return f"vLLM's worker on CPUs {sorted(bound)}, every other process on {sorted(rest)}"
 
 
