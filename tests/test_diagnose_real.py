@@ -23,7 +23,10 @@ CATEGORY = {e["id"]: e["category"] for e in ISSUES}
 MADE_HERE = {"vllm-lab-head-dim-16.log": "attention-backend-unsupported-head-dim",
              "vllm-lab-max-model-len.log": "context-length-exceeds-model",
              "vllm-lab-eager-amx-sigill.log": "cpu-amx-state-not-requested",
-             "vllm-lab-eager-amx-sigill-faulthandler.log": "cpu-amx-state-not-requested"}
+             "vllm-lab-eager-amx-sigill-faulthandler.log": "cpu-amx-state-not-requested",
+             # the same crash where vLLM's monitor read the worker's exit status before it was reaped
+             # ("exit code: None"): the log carries no signal, so no cause may be named
+             "vllm-lab-eager-amx-exitcode-none.log": None}
 
 
 def findings(text):
@@ -54,7 +57,7 @@ def test_manifest_readme_and_logs_agree():
 def test_knowledge_base_covers_every_category_from_real_logs():
     assert len(ISSUES) >= 15
     assert {e["category"] for e in ISSUES} == set(CATEGORIES)
-    expected = {e["expect"] for e in MANIFEST} | set(MADE_HERE.values())
+    expected = {e["expect"] for e in MANIFEST} | {v for v in MADE_HERE.values() if v}
     for entry in ISSUES:
         assert entry["id"] in expected, f"{entry['id']} has no real log of its own"
         assert entry.get("suggest") or entry.get("link"), f"{entry['id']} gives no next step"
@@ -89,7 +92,7 @@ def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(ca
 @pytest.mark.parametrize("name,entry", sorted(MADE_HERE.items()))
 def test_a_real_vllm_crash_made_on_the_lab_names_its_known_issue(name, entry):
     named = {i for hits in hits_of((REAL / name).read_text(errors="replace")) for i in hits[:1]}
-    assert named == {entry}, named
+    assert named == ({entry} if entry else set()), named
 
 
 def test_every_lab_made_log_has_its_entry():
