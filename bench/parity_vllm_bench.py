@@ -58,6 +58,7 @@ import yaml  # noqa: E402
 
 from servops.lab import venvs, vllmlab  # noqa: E402
 from servops.lab.sshd import free_port, keygen, make_server  # noqa: E402
+from servops.remote import procs  # noqa: E402
 
 LEVELS = ((1, 48), (4, 96), (16, 192))  # (concurrency, requests)
 # Each tool's flags for one length distribution. Varied (the default): input and output lengths
@@ -109,52 +110,37 @@ print("PARITY " + json.dumps(dict({k: v for k, v in result.items() if isinstance
 '''
 
 
-def allowed_cpus(pid: int, tid: int) -> set[int] | None:
-    try:
-        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    except OSError:
-        return None
-    spec = next(l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("Cpus_allowed_list:"))
-    cpus = set()
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
-
-
-def process_tree(root: int) -> list[int]:
-    """root and its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
+def threads_of(pids) -> list[int]:
+    tids = []
+    for pid in pids:
         try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue  # ended meanwhile
+    return tids
 
 
-def place_cpus(server_pid: int, others: list[int]) -> str:
-    """Move every thread of the server's tree that vLLM did not bind, and of `others` (with
-    their trees), to the CPUs the worker's binding left free (see CPU placement)."""
-    every = set(os.sched_getaffinity(0))
+def affinity(tid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(tid)
+    except OSError:
+        return None  # ended meanwhile
 
-    def threads(pids: list[int]) -> list[tuple[int, int]]:
-        return [(pid, int(tid)) for pid in pids
-                for tid in (os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else [])]
 
-    server = threads(process_tree(server_pid))
-    bound = set().union(*[c for pid, tid in server if (c := allowed_cpus(pid, tid)) and c != every] or [set()])
+def place_cpus(releases_dir: Path, others: list[int]) -> str:
+    """Move every thread of the server (its processes as servops' stop finds them) that vLLM did
+    not bind, and of `others` and their descendants, to the CPUs the worker's binding left free
+    (see CPU placement)."""
+    table = procs.process_table()
+    server = threads_of(procs.release_processes(str(releases_dir), table=table))
+    every = os.sched_getaffinity(0)
+    bound = set().union(*(cpus for tid in server if (cpus := affinity(tid)) and cpus != every))
     rest = every - bound
     if not bound or not rest:
         return f"none (vLLM's binding: {sorted(bound) or 'none'}; nothing left for the rest)"
-    for pid, tid in server + threads([p for o in others for p in process_tree(o)]):
-        if allowed_cpus(pid, tid) == every:
+    descendants = [pid for pid in table if procs._ancestors(pid, table) & set(others)]
+    for tid in server + threads_of(descendants):
+        if affinity(tid) == every:
             try:
                 os.sched_setaffinity(tid, rest)
             except OSError:
@@ -185,6 +171,7 @@ class VllmLab:
         self.sshd = make_server("127.0.0.6", self.tmp / "sshd", key).start()
         known = self.tmp / "known_hosts"
         known.write_text(self.sshd.known_hosts_line)
+        self.server_root = self.tmp / "deploy"
         lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())
         group = lab["all"]["children"]["lab"]
         group["vars"].update(ssh_key=str(key), known_hosts=str(known))
@@ -194,10 +181,9 @@ class VllmLab:
         self.port = free_port("127.0.0.1")
         group["children"]["vllm"]["hosts"]["vllm1"].update(
             ssh_host=self.sshd.address, ssh_port=self.sshd.port, ssh_user=self.sshd.user, server_port=self.port,
-            deploy_root=str(self.tmp / "deploy"))
+            deploy_root=str(self.server_root))
         self.inventory = self.tmp / "inventory.yml"
         self.inventory.write_text(yaml.safe_dump(lab, sort_keys=False))
-        self.server_root = self.tmp / "deploy"
         self.env = dict(os.environ, SERVOPS_INVENTORY=str(self.inventory), SERVOPS_RESULTS=str(self.tmp / "results"),
                         SERVOPS_PERSIST="0", NO_COLOR="1", COLUMNS="200")
 
@@ -300,8 +286,7 @@ def main() -> None:
         out = lab.invoke("deploy", "--variant", "vllm-baseline")
         print(out.strip().splitlines()[-1])
         if not opts.no_placement:
-            server = json.loads((lab.server_root / "server.pid").read_text())["pid"]
-            print("CPU placement:", place_cpus(int(server), [lab.sshd.proc.pid, os.getpid()]))
+            print("CPU placement:", place_cpus(lab.server_root / "releases", [lab.sshd.proc.pid, os.getpid()]))
         runs = {(tool, level): [] for tool in ("servops", "vllm") for level, _n in LEVELS}
         for rnd in range(opts.rounds):
             order = ("servops", "vllm") if rnd % 2 == 0 else ("vllm", "servops")

@@ -175,13 +175,24 @@ def lab(tmp_path, sshd_hosts, ssh_client_key, venv):
     end_guards(tmp_path)
 
 
-def end_guards(tmp_path: Path) -> None:
+def live_guards(tmp_path: Path) -> list[int]:
+    """pids of the release guards of the lab's deploy roots under tmp_path that still run."""
+    pids = []
     for record in tmp_path.glob("deploy-*/releases/*/guard.pid"):
         try:
             guard = json.loads(record.read_text())
             if guard.get("starttime") and proc_starttime(guard["pid"]) == guard["starttime"]:  # not a reused pid
-                os.kill(int(guard["pid"]), signal.SIGKILL)
+                pids.append(int(guard["pid"]))
         except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return pids
+
+
+def end_guards(tmp_path: Path) -> None:
+    for pid in live_guards(tmp_path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             continue
 
 

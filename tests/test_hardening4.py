@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, current, healthy, playbooks_with, root_of, run_invoke
+from conftest import REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke
 from servops.remote.jsonl import append_entry, read_entries
 
 TREE = "tests/hostile/tree_server.py"
@@ -69,12 +69,7 @@ def host_commands_in_flight(lab) -> list[int]:
     me, found = os.getpid(), set()
     sshd = lab.sshd_hosts(0)
     session_of_lab = f" {sshd.address} {sshd.port}".encode()
-    guards = set()
-    for record in (root_of(lab) / "releases").glob("*/guard.pid"):
-        try:
-            guards.add(int(json.loads(record.read_text())["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    guards = set(live_guards(lab.tmp))
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or not (own := _stat(int(entry))) or own[0].startswith("sshd") or own[2] == "Z":
             continue
