@@ -245,16 +245,15 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     where = f"playbooks/{variant['name']}.yml"
     args = {k: _render_value(env, v, context, f"{where}: server_args.{k}") for k, v in variant["server_args"].items()}
     argv = server_argv(args)
-    # Host env (site facts such as CUDA_HOME) first, then the variant's own settings.
-    launch_env: dict[str, str] = {}
-    for k, v in (host.get("env") or {}).items():
-        if v is not None:
-            launch_env[_envname(k)] = str(_render_value(env, v, context, f"{host.source}: host {host.name} env.{k}"))
-    for k, v in variant["env"].items():
-        if v is None:
-            launch_env.pop(k, None)
-        else:
-            launch_env[_envname(k)] = str(_render_value(env, v, context, f"{where}: env.{k}"))
+    # The engine's defaults, then the host's env (site facts such as CUDA_HOME), then the
+    # variant's own settings; a null drops what came before it.
+    launch_env: dict[str, str] = dict(engine.launch_env)
+    for source, items in ((f"{host.source}: host {host.name} env", host.get("env") or {}), (f"{where}: env", variant["env"])):
+        for k, v in items.items():
+            if v is None:
+                launch_env.pop(_envname(k), None)
+            else:
+                launch_env[_envname(k)] = str(_render_value(env, v, context, f"{source}.{k}"))
     secret = secret_names(host)
     secret_env = {k: v for k, v in launch_env.items() if is_secret_name(k) or k in secret}
     plain_env = {k: v for k, v in launch_env.items() if k not in secret_env}

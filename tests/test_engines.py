@@ -3,6 +3,8 @@ metric names read under servops' keys, and the sglang path left exactly as it wa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from servops import engines
@@ -123,6 +125,25 @@ def test_a_vllm_launch_ignores_the_hosts_sglang_module_and_files():
     script = render_launch(lab, load_variant("vllm-baseline")).script
     assert "-m vllm.entrypoints.openai.api_server" in script and "sglang_double" not in script
     assert "-m sglang_double" in render_launch(lab, load_variant("baseline")).script
+
+
+def test_a_vllm_launch_turns_faulthandler_on_unless_the_host_or_variant_says_otherwise(tmp_path):
+    """vLLM never enables faulthandler itself: its launches export PYTHONFAULTHANDLER=1 (a worker's
+    fatal signal then leaves its frames in server.log); the host's env and the variant's override
+    it ('' keeps Python's faulthandler off), a null in the host's env drops it. sglang's launch
+    (its scheduler enables faulthandler) is unchanged."""
+    inv = load_inventory(REPO / "inventory" / "lab-vllm.yml")
+    host = inv.hosts["vllm1"]
+    launch = render_launch(host, load_variant("vllm-baseline"))
+    assert launch.env["PYTHONFAULTHANDLER"] == "1" and "export PYTHONFAULTHANDLER=1\n" in launch.script
+    books = playbooks_with(tmp_path, quiet="extends: vllm-baseline\nenv: {PYTHONFAULTHANDLER: ''}\n")
+    assert "export PYTHONFAULTHANDLER=''\n" in render_launch(host, load_variant("quiet", root=books)).script
+    with_host_value = dataclasses.replace(host, vars=dict(host.vars, env=dict(host.get("env") or {}, PYTHONFAULTHANDLER="")))
+    assert render_launch(with_host_value, load_variant("vllm-baseline")).env["PYTHONFAULTHANDLER"] == ""
+    unset = dataclasses.replace(host, vars=dict(host.vars, env=dict(host.get("env") or {}, PYTHONFAULTHANDLER=None)))
+    assert "PYTHONFAULTHANDLER" not in render_launch(unset, load_variant("vllm-baseline")).env
+    lab = parse_inventory((REPO / "inventory" / "lab.yml").read_text(), "lab.yml").hosts["lab1"]
+    assert "PYTHONFAULTHANDLER" not in render_launch(lab, load_variant("baseline")).script
 
 
 def test_vllm_metrics_read_under_servops_keys():

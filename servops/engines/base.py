@@ -18,6 +18,7 @@ class Engine:
     counters: dict = field(default_factory=dict)     # servops key -> counter name (without _total)
     request: dict = field(default_factory=dict)      # the bench's request shape
     process_names: tuple[str, ...] = ()              # what its server tree holds (for stop)
+    launch_env: dict = field(default_factory=dict)   # env every launch gets (the host's and variant's env override it)
     crash_signatures: tuple[str, ...] = ()           # log lines that mean the server is dead
     model_flag: str = "model-path"                   # the server arg naming the model
     module_var: str = "server_module"                # the host var that replaces launch_module

@@ -36,6 +36,12 @@ ENGINE = Engine(
     request={"endpoint": "/v1/completions", "model": "served", "flush": None, "server_info": None,
              "empty_is_token": True},
     process_names=("VLLM::EngineCore", "VLLM::Worker"),
+    # vLLM never turns faulthandler on (sglang's scheduler does): a worker killed by a signal
+    # leaves only its executor's "died unexpectedly (exit code: -4)", or "(exit code: None)" when
+    # that monitor reads the status before the worker is reaped (seen on the lab's AMX SIGILL).
+    # With it the log holds "Fatal Python error: Illegal instruction" and the frames it died in,
+    # which diagnose matches; it costs nothing until a fatal signal.
+    launch_env={"PYTHONFAULTHANDLER": "1"},
     crash_signatures=(r"EngineDeadError", r"Unsupported CPU attention configuration"),
     model_flag="model",
     module_var="vllm_module",  # a host's server_module is sglang's (the lab's double)
