@@ -20,6 +20,7 @@ import pytest
 
 from conftest import REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke
 from servops.remote.jsonl import append_entry, read_entries
+from servops.remote.procs import RELEASE_ENV
 
 TREE = "tests/hostile/tree_server.py"
 
@@ -43,7 +44,7 @@ def processes_of(root: Path) -> dict[int, str]:
             cwd = os.path.realpath(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if f"SERVOPS_RELEASE_DIR={releases}/".encode() in env or cwd.startswith(releases + "/"):
+        if f"{RELEASE_ENV}={releases}/".encode() in env or cwd.startswith(releases + "/"):
             found[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
     return found
 
@@ -80,7 +81,7 @@ def host_commands_in_flight(lab) -> list[int]:
             env = []
         connection = next((v for v in env if v.startswith(b"SSH_CONNECTION=")), b"")
         if connection.endswith(session_of_lab) and pid not in guards \
-                and not any(v.startswith(b"SERVOPS_RELEASE_DIR=") for v in env):
+                and not any(v.startswith(f"{RELEASE_ENV}=".encode()) for v in env):
             found.add(pid)
             continue
         up_pid = own[1]
