@@ -62,7 +62,7 @@ import yaml  # noqa: E402
 
 from servops.lab import venvs, vllmlab  # noqa: E402
 from servops.lab.sshd import free_port, keygen, make_server  # noqa: E402
-from servops.remote import procs  # noqa: E402
+from servops.remote import loadgen, procs  # noqa: E402
 
 LEVELS = ((1, 64), (4, 96), (16, 192))  # (concurrency, requests)
 # Each tool's flags for one length distribution, drawn independently per request.
@@ -298,11 +298,7 @@ def run_value(key: str, run: dict, level: int) -> float:
 def p99_ms(ttfts: list[float]) -> float:
     """The 99th percentile of TTFTs (s) in ms, numpy's linear interpolation (as both tools'
     own p99s)."""
-    values = sorted(t * 1000 for t in ttfts)
-    pos = 0.99 * (len(values) - 1)
-    low = int(pos)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (pos - low)
+    return loadgen.pct([t * 1000 for t in ttfts], 99)
 
 
 def deviation(ours: float, theirs: float) -> float:
