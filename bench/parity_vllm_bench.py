@@ -353,7 +353,11 @@ def main() -> None:
     ap.add_argument("--report", metavar="FILE", help="print the table of a run saved with --save; runs nothing")
     opts = ap.parse_args()
     if opts.report:
-        report(json.loads(Path(opts.report).read_text())["runs"])
+        try:
+            runs = json.loads(Path(opts.report).read_text())["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--report {opts.report}: not a run saved with --save ({type(exc).__name__}: {exc})")
+        report(runs)
         return
     if opts.rounds < 1:
         ap.error("--rounds must be 1 or more")
