@@ -111,22 +111,28 @@ def fleet_lab(lab, tmp_path):
 
 
 def stop_hard(server) -> None:
-    """The host is gone: its sshd and every connection it serves (their sshd children) killed."""
+    """The host is gone from the network: its sshd and every connection it serves (their sshd
+    processes) killed. What those connections started keeps running, as on a host cut off by a
+    network fault; killing it too once SIGKILLed a `pyenv rehash` that this machine's ~/.bashrc
+    runs for every ssh command, and its lock left behind made every later command of every lab
+    host wait 60 s for it: the other hosts' leases expired and their guards rolled them back."""
     if not server.proc or server.proc.poll() is not None:
         return
-    listener = server.proc.pid
-    children = {listener: []}
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            head, tail = stat.read_text().rsplit(")", 1)
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    doomed, todo = [], [listener]
+        pid = int(stat.parent.name)
+        names[pid] = head.split("(", 1)[1]
+        children.setdefault(int(tail.split()[1]), []).append(pid)
+    doomed, todo = [], [server.proc.pid]
     while todo:
         pid = todo.pop()
         doomed.append(pid)
-        todo.extend(children.get(pid, []))
+        todo.extend(c for c in children.get(pid, []) if names.get(c, "").startswith("sshd"))  # (sshd-session: OpenSSH 9.8+)
     for pid in doomed:
         try:
             os.kill(pid, signal.SIGKILL)
