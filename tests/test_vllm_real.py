@@ -8,8 +8,9 @@ import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.vllm_lab import TINYMODEL, tiny_models, vllm_server, vllm_venv  # noqa: F401 (fixtures)
+from tests.vllm_lab import TINYMODEL, parity_bench, tiny_models, vllm_server, vllm_venv  # noqa: F401 (fixtures)
 
 
 def get(url: str) -> tuple[int, str]:
@@ -49,7 +50,7 @@ def test_tiny_model_is_byte_identical(vllm_venv, tmp_path):
     assert config["head_dim"] == 16 and config["hidden_size"] == 256
 
 
-def test_real_vllm_serves_streams_and_stops_clean(vllm_server, tiny_models):
+def test_real_vllm_serves_streams_and_stops_clean(vllm_server, tiny_models, vllm_venv):
     model = tiny_models["llama-h256"]
     server = vllm_server(model)
     server.wait_healthy()
@@ -80,6 +81,17 @@ def test_real_vllm_serves_streams_and_stops_clean(vllm_server, tiny_models):
     for histogram, count in (("time_to_first_token_seconds", 1), ("e2e_request_latency_seconds", 1),
                              ("request_time_per_output_token_seconds", 1), ("inter_token_latency_seconds", 7)):
         assert f"vllm:{histogram}_count{{{label}}} {count}.0" in metrics
+
+    # bench/parity_vllm_bench.py runs vLLM's own `vllm bench serve` and reads the server's
+    # histograms right before and after its measured requests: its first test prompt and its
+    # warm-ups (9 requests here) are outside that window, the 8 measured ones exactly inside
+    parity = parity_bench()
+    line = parity.vllm_level(SimpleNamespace(venv=vllm_venv, model=model, port=server.port), 4, 8, seed=3,
+                             lengths="varied")
+    counts = {h: line["server_histograms"][h]["count"] for h in ("ttft", "e2e")}
+    assert counts == {"ttft": 8.0, "e2e": 8.0}, line["server_histograms"]
+    run = parity.compact("vllm", line, 8)
+    assert run["server"]["ttft"] > 0 and run["server"]["itl"] > 0 and run["server"]["e2e"] > run["server"]["ttft"]
 
     tree = {comm(pid): pid for pid in server.group()}
     assert {"python", "VLLM::EngineCor", "VLLM::Worker"} <= set(tree)
