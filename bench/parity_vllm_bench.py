@@ -120,7 +120,8 @@ SHOWN = JUDGED + ((P99_STEADY, P99_STEADY, "TTFT p99 runs"), (P99_ALL, P99_ALL, 
 # other CPU and the neighbouring VMs share (a memory-bound matrix product alone on CPU 0: 0.79 to
 # 0.86 ms in 12-s blocks of an idle machine; 2.4 to 3.1 ms, three times slower, with the same
 # product on CPU 1), and the server's TPOT at concurrency 1 went from 18 to 22 ms between
-# adjacent runs of either tool, each tool's round-to-round spread 10-30%, far above the 5% asked
+# adjacent runs of either tool one evening and from 22 to 39 ms the next, each tool's
+# round-to-round spread 10-30%, far above the 5% asked
 # of the tools. Both tools read the same server, whose own TTFT, ITL and e2e histograms count
 # exactly each run's measured requests (servops' load generator records them around its
 # measured requests; vllm bench's benchmark() reads /metrics right before and after its own,
@@ -160,7 +161,8 @@ SCALES = {"output_throughput": ("itl", -1), "request_throughput": ("itl", -1), "
 # (see Fixed, under LENGTHS) sets its whole p95-p99, and one tool's rescaled p99 went from 139 to
 # 195 ms over five runs of 512 requests while its mean TTFT stayed within 0.8%; the pools' p99s
 # were 7.1% apart one evening (servops lower) and 8.7% the next (servops higher). So that level
-# runs four shorter runs of each tool a round, alternating, and the pool holds 20 draws a tool.
+# runs four shorter runs of each tool a round, alternating, and the pool holds 20 draws a tool
+# (first run so, 2026-12-06: 5.5% at 16, and 5.8% at concurrency 1, the last line 5.8%).
 # Each run's own p99, the median over the runs, and the p99 over every request are printed
 # beside the judged one.
 
