@@ -136,7 +136,8 @@ SHOWN = JUDGED + ((P99_STEADY, P99_STEADY, "TTFT p99 runs"), (P99_ALL, P99_ALL, 
 # what each tool reads above the server (its client's share of TTFT) in between.
 SERVER_KEYS = ("ttft", "itl", "e2e")
 SCALES = {"output_throughput": ("itl", -1), "request_throughput": ("itl", -1), "mean_ttft_ms": ("ttft", 1),
-          "median_ttft_ms": ("ttft", 1), P99_STEADY: ("ttft", 1), P99_ALL: ("ttft", 1), FIRST_WAVE: ("ttft", 1),
+          "median_ttft_ms": ("ttft", 1), P99_STEADY: ("ttft", 1), P99_ALL: ("ttft", 1), P99_POOLED: ("ttft", 1),
+          FIRST_WAVE: ("ttft", 1),
           "mean_tpot_ms": ("itl", 1), "median_itl_ms": ("itl", 1), "mean_e2e_latency_ms": ("e2e", 1),
           "mean_e2el_ms": ("e2e", 1)}
 # FIRST WAVE. Each run opens with `concurrency` requests sent at the same instant into a server
@@ -367,10 +368,7 @@ def waves(run: dict, level: int) -> tuple[list[float], list[float]]:
 def run_value(key: str, run: dict, level: int, refs: dict | None = None) -> float:
     """One run's figure for a key of SHOWN (the TTFT figures computed here, in ms); with `refs`
     (the level's server reference, see SERVER REFERENCE), rescaled to that server speed."""
-    scale = 1.0
-    if refs is not None and key in SCALES:
-        h, power = SCALES[key]
-        scale = (refs[h] / run["server"][h]) ** power
+    scale = run_scale(key, run, refs)
     if key == FIRST_WAVE:
         return statistics.mean(waves(run, level)[0]) * 1000 * scale
     if key == P99_STEADY:
@@ -378,6 +376,14 @@ def run_value(key: str, run: dict, level: int, refs: dict | None = None) -> floa
     if key == P99_ALL:
         return p99_ms(run["ttfts"]) * scale
     return run[key] * scale
+
+
+def run_scale(key: str, run: dict, refs: dict | None) -> float:
+    """What a run's figure for `key` is multiplied by at the server's common speed `refs` (1: as measured)."""
+    if refs is None or key not in SCALES:
+        return 1.0
+    h, power = SCALES[key]
+    return (refs[h] / run["server"][h]) ** power
 
 
 def p99_ms(ttfts: list[float]) -> float:
@@ -416,7 +422,7 @@ def table(runs: dict, corrected: bool) -> float:
         for ours_key, their_key, label in SHOWN:
             if ours_key == P99_POOLED:
                 ours_runs, their_runs = [], []
-                ours, theirs = (p99_ms([t * (1.0 if refs is None else refs["ttft"] / run["server"]["ttft"])
+                ours, theirs = (p99_ms([t * run_scale(P99_POOLED, run, refs)
                                         for run in rounds for t in waves(run, int(level))[1]])
                                 for rounds in (ours_rounds, their_rounds))
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -103,6 +104,14 @@ def no_stale_shell_lock():
 
 # Files the tests edit; restored after every test so the cached venv stays pristine.
 WATCHED = ["flashinfer/jit/cpp_ext.py", "flashinfer/jit/env.py", "flashinfer/__init__.py"]
+
+
+def bench_script(name: str):
+    """bench/<name>.py as a module (the bench scripts are programs, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def record_hash(path: Path) -> str:

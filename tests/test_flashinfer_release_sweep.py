@@ -12,19 +12,16 @@ Archives come from the cache (~/.cache/servops-tests/flashinfer-src/, bench/flas
 fetched once where missing; only flashinfer/jit/cpp_ext.py is unpacked. Offline and uncached: skipped.
 """
 
-import importlib.util
 
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from conftest import REPO
+from conftest import REPO, bench_script
 from servops import patching
 from servops.patchstore import find_patch
 
-_spec = importlib.util.spec_from_file_location("flashinfer_patch_sweep", REPO / "bench" / "flashinfer_patch_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+sweep = bench_script("flashinfer_patch_sweep")
 
 # Every flashinfer-python release on PyPI (`pip index versions flashinfer-python`; there is no 0.2.0).
 RELEASES = """

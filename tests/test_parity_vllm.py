@@ -9,12 +9,12 @@ import statistics
 
 import pytest
 
-from tests.vllm_lab import parity_bench
+from conftest import bench_script
 
 
 @pytest.fixture(scope="module")
 def parity():
-    return parity_bench()
+    return bench_script("parity_vllm_bench")
 
 
 def run_at(speed: float, level: int, requests: int, client_ttft_ms: float = 2.0, throughput_skew: float = 1.0,
@@ -36,10 +36,6 @@ def run_at(speed: float, level: int, requests: int, client_ttft_ms: float = 2.0,
 def runs_of(speeds_ours, speeds_theirs, **ours) -> dict:
     return {"servops": {"4": [run_at(s, 4, 100, **ours) for s in speeds_ours]},
             "vllm": {"4": [run_at(s, 4, 100, servops=False) for s in speeds_theirs]}}
-
-
-def last_line(capsys) -> str:
-    return capsys.readouterr().out.strip().splitlines()[-1]
 
 
 def test_the_server_running_faster_in_one_tools_runs_is_taken_out(parity, capsys):

@@ -13,20 +13,17 @@ unpacked (~/.cache/servops-tests/sglang-src/<version>, a few files each), and a 
 tree is enough without its wheel. bench/sglang_release_sweep.py prints the same table.
 """
 
-import importlib.util
 import shutil
 
 import pytest
 from packaging.version import Version
 
-from conftest import REPO
+from conftest import REPO, bench_script
 from servops.launchcheck import _problem_lines, refusal_line
 from servops.playbooks import load_variant, resolve
 from servops.remote import sglang_args as sa
 
-_spec = importlib.util.spec_from_file_location("sglang_release_sweep", REPO / "bench" / "sglang_release_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+sweep = bench_script("sglang_release_sweep")
 
 # Every release on PyPI from 0.4.0 to 0.5.23 (there is no 0.5.0).
 RELEASES = """

@@ -21,6 +21,7 @@ from conftest import REPO, one_line_error, playbooks_with, run_invoke
 from servops import hostfacts, tunefleet
 from servops.campaign import load_campaign
 from servops.lab.sshd import free_port, make_server
+from servops.remote import procs
 from test_tune import SEARCH_CAMPAIGN, TBASE
 
 # -- pure ---------------------------------------------------------------------------------------
@@ -118,21 +119,12 @@ def stop_hard(server) -> None:
     host wait 60 s for it: the other hosts' leases expired and their guards rolled them back."""
     if not server.proc or server.proc.poll() is not None:
         return
-    children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            head, tail = stat.read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        names[pid] = head.split("(", 1)[1]
-        children.setdefault(int(tail.split()[1]), []).append(pid)
+    table = procs.process_table()
     doomed, todo = [], [server.proc.pid]
     while todo:
         pid = todo.pop()
         doomed.append(pid)
-        todo.extend(c for c in children.get(pid, []) if names.get(c, "").startswith("sshd"))  # (sshd-session: OpenSSH 9.8+)
+        todo.extend(c for c, facts in table.items() if facts["ppid"] == pid and is_sshd(c))
     for pid in doomed:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -140,6 +132,14 @@ def stop_hard(server) -> None:
             pass
     server.proc.wait()
     server.proc = None
+
+
+def is_sshd(pid: int) -> bool:
+    """sshd, or OpenSSH 9.8+'s sshd-session."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().startswith("sshd")
+    except OSError:
+        return False
 
 
 def log_of(results: Path, host: str, name: str) -> list[dict]:

@@ -10,7 +10,8 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.vllm_lab import TINYMODEL, parity_bench, tiny_models, vllm_server, vllm_venv  # noqa: F401 (fixtures)
+from conftest import bench_script
+from tests.vllm_lab import TINYMODEL, tiny_models, vllm_server, vllm_venv  # noqa: F401 (fixtures)
 
 
 def get(url: str) -> tuple[int, str]:
@@ -85,7 +86,7 @@ def test_real_vllm_serves_streams_and_stops_clean(vllm_server, tiny_models, vllm
     # bench/parity_vllm_bench.py runs vLLM's own `vllm bench serve` and reads the server's
     # histograms right before and after its measured requests: its first test prompt and its
     # warm-ups (9 requests here) are outside that window, the 8 measured ones exactly inside
-    parity = parity_bench()
+    parity = bench_script("parity_vllm_bench")
     line = parity.vllm_level(SimpleNamespace(venv=vllm_venv, model=model, port=server.port), 4, 8, seed=3,
                              lengths="varied")
     counts = {h: line["server_histograms"][h]["count"] for h in ("ttft", "e2e")}

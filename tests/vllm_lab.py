@@ -10,7 +10,6 @@ after the first starts from a warm cache (vLLM's own AOT cache does not load on 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -28,14 +27,6 @@ from servops.lab.sshd import free_port
 REPO = Path(__file__).resolve().parent.parent
 TINYMODEL = REPO / "servops" / "lab" / "tinymodel.py"
 LAUNCH_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def parity_bench():
-    """bench/parity_vllm_bench.py as a module (a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("parity_vllm_bench", REPO / "bench" / "parity_vllm_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def server_env(venv: Path) -> dict[str, str]:
