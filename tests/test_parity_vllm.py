@@ -73,6 +73,24 @@ def test_the_judged_p99_pools_every_rounds_steady_requests(parity, capsys):
     assert float(judged[1].split()[6].rstrip("%")) < 1.0, out
 
 
+def test_a_first_wave_drawn_slow_in_one_tools_runs_does_not_move_the_judged_p99(parity, capsys):
+    # the server equally fast for both, but vllm bench's first waves (4 of 100 requests) landed
+    # in one slow prefill, 5x the server's TTFT: the server's mean TTFT counts them, the judged
+    # p99 (after the first wave) does not, so it is rescaled by the step time (ITL), not by TTFT
+    runs = runs_of([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    for run in runs["vllm"]["4"]:
+        run["ttfts"] = [t + (0.12 if i < 4 else 0.0) for i, t in enumerate(run["ttfts"])]
+        run["mean_ttft_ms"] = statistics.mean(run["ttfts"]) * 1000
+        run["server"]["ttft"] = (96 * 30.0 + 4 * 150.0) / 100
+    parity.report(runs)
+    out = capsys.readouterr().out
+    judged = [l for l in out.splitlines() if l.split()[1:3] == ["TTFT", "p99"] and l.split()[3] == "ms"]
+    assert float(judged[1].split()[6].rstrip("%")) < 0.1, out
+    # the mean over every request is rescaled by the server's TTFT over those same requests
+    means = [l for l in out.splitlines() if l.split()[1:3] == ["TTFT", "mean"]]
+    assert float(means[1].split()[6].rstrip("%")) < 2.0, out
+
+
 def test_a_run_without_its_server_reference_is_judged_as_measured(parity, capsys):
     runs = runs_of([1.0, 1.0, 1.0], [1.2, 1.2, 1.2])
     del runs["vllm"]["4"][1]["server"]
