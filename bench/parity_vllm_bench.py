@@ -33,8 +33,9 @@ settling waves, vLLM `--num-warmups`). Judged on each tool's median over its run
 that met a scheduling storm on the shared cores moves a mean, not a median) of output
 throughput, mean TTFT and mean TPOT, and on the p99 TTFT of every round's requests after its
 first wave, pooled (see FIRST WAVE; each run's own p99 and the p99 over every request are
-printed beside); each tool's round-to-round spread is printed too, the noise floor the
-deviation is read against. Two tables: as measured, and at the server's common speed (each run
+printed beside, and the range the pooled p99s' difference takes when each tool's runs are
+drawn again); each tool's round-to-round spread is printed too, the noise floor the deviation
+is read against. Two tables: as measured, and at the server's common speed (each run
 rescaled by the server's own mean TTFT or ITL over that run's measured requests, from vLLM's
 histograms; see SERVER REFERENCE), with what each tool reads above the server between them.
 The line before the last is the as-measured deviation; the last line, judged on the second
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -173,8 +175,14 @@ SCALES = {"output_throughput": ("itl", -1), "request_throughput": ("itl", -1), "
 # (see Fixed, under LENGTHS) sets its whole p95-p99, and one tool's rescaled p99 went from 139 to
 # 195 ms over five runs of 512 requests while its mean TTFT stayed within 0.8%; the pools' p99s
 # were 7.1% apart one evening (servops lower) and 8.7% the next (servops higher). So that level
-# runs four shorter runs of each tool a round, alternating, and the pool holds 20 draws a tool
-# (first run so, 2026-12-06: 5.5% at 16, and 5.8% at concurrency 1, the last line 5.8%).
+# runs four shorter runs of each tool a round, alternating, and the pool holds 20 draws a tool.
+# Beside each judged p99 the report prints how far apart the two pools' p99s come out when each
+# tool's runs are drawn again with replacement (2.5th-97.5th percentile of 1,000 draws): the
+# noise a difference is read against. Seen 2026-12-06 at the server's common speed, 5, 10 and 7
+# rounds: p99 at 1: 5.8%, 2.4%, 20.7% apart (the last with servops lower, its interval -30.5% ..
+# +8.2%: at concurrency 1 the p99 of 441 requests is their fifth slowest, and rare stalls of
+# 50-76 ms against a median of 34, 10 of vllm bench's requests and 5 of servops', decide it);
+# at 4: 1.0%, 3.6%, 2.8%; at 16: 2.2%, 0.8%, 1.2%; intervals 10-40 points wide.
 # Each run's own p99, the median over the runs, and the p99 over every request are printed
 # beside the judged one.
 
@@ -414,6 +422,21 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / m * 100 if m else 0.0
 
 
+def resampled_interval(ours: list[list[float]], theirs: list[list[float]], draws: int = 1000) -> tuple[float, float]:
+    """How far apart (%, servops against vllm bench) the pooled p99s of two sets of runs (each a
+    list of its TTFTs) come out when each tool's runs are drawn again with replacement: the
+    2.5th and 97.5th percentiles over `draws` draws, seeded (the same report every time). The
+    run is the unit drawn because a run's tail is partly its own (see FIRST WAVE); an interval
+    that holds 0 is a difference this many runs cannot tell from noise."""
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        ours_p99, their_p99 = (p99_ms([t for pool in rng.choices(runs, k=len(runs)) for t in pool])
+                               for runs in (ours, theirs))
+        ratios.append((ours_p99 / their_p99 - 1) * 100)
+    return loadgen.pct(ratios, 2.5), loadgen.pct(ratios, 97.5)
+
+
 def server_refs(runs: dict, level: str) -> dict | None:
     """The level's server reference: the median over every run of both tools of the server's own
     mean TTFT, ITL and e2e, and which of TTFT and ITL rescales the TTFTs after the first wave
@@ -447,9 +470,9 @@ def table(runs: dict, corrected: bool) -> float:
         for ours_key, their_key, label in SHOWN:
             if ours_key == P99_POOLED:
                 ours_runs, their_runs = [], []
-                ours, theirs = (p99_ms([t * run_scale(P99_POOLED, run, refs)
-                                        for run in rounds for t in waves(run, int(level))[1]])
-                                for rounds in (ours_rounds, their_rounds))
+                ours_pools, their_pools = ([[t * run_scale(P99_POOLED, run, refs) for t in waves(run, int(level))[1]]
+                                            for run in rounds] for rounds in (ours_rounds, their_rounds))
+                ours, theirs = (p99_ms([t for pool in pools for t in pool]) for pools in (ours_pools, their_pools))
             else:
                 ours_runs = [run_value(ours_key, run, int(level), refs) for run in ours_rounds]
                 their_runs = [run_value(their_key, run, int(level), refs) for run in their_rounds]
@@ -458,7 +481,11 @@ def table(runs: dict, corrected: bool) -> float:
             judged = any(label == j for _o, _t, j in JUDGED)
             if judged:
                 worst = max(worst, d)
-            spreads = f"{spread(ours_runs):5.1f}% / {spread(their_runs):5.1f}%" if ours_runs else " " * 15
+            if ours_runs:
+                spreads = f"{spread(ours_runs):5.1f}% / {spread(their_runs):5.1f}%"
+            else:
+                low, high = resampled_interval(ours_pools, their_pools)
+                spreads = f"resampled runs: {low:+.1f}% .. {high:+.1f}%"
             print(f"{level:>5} {label:<15} {ours:>10.2f} {theirs:>10.2f} {d:>6.1f}%   {spreads}"
                   f"{'' if judged else '   (shown)'}")
     return worst

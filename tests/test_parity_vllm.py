@@ -136,3 +136,21 @@ def test_compact_takes_the_server_reference_only_over_exactly_the_measured_reque
     # warm-up requests in the window: no reference, and said
     assert "server" not in parity.compact("vllm", line(12), 8)
     assert "did not count the 8 measured requests" in capsys.readouterr().out
+
+
+def test_the_resampled_interval_tells_a_real_p99_difference_from_noise(parity):
+    import random
+    rng = random.Random(7)
+
+    def runs(scale: float) -> list[list[float]]:
+        # 10 runs of 100 requests: a lognormal TTFT around 40 ms, each run's own speed +-10%
+        out = []
+        for _ in range(10):
+            speed = rng.uniform(0.9, 1.1)
+            out.append([0.040 * speed * scale * rng.lognormvariate(0, 0.25) for _ in range(100)])
+        return out
+
+    low, high = parity.resampled_interval(runs(1.0), runs(1.0))
+    assert low < 0 < high
+    low, high = parity.resampled_interval(runs(1.3), runs(1.0))
+    assert 0 < low < 30 < high
