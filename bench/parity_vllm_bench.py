@@ -137,11 +137,12 @@ SHOWN = JUDGED + ((P99_STEADY, P99_STEADY, "TTFT p99 runs"), (P99_ALL, P99_ALL, 
 # tool's runs against themselves only, never one tool against the other. Why: the server's TTFT
 # histogram counts the first wave too, whose grouping is a draw per run (see FIRST WAVE). Where
 # that wave is one request in 64 (concurrency 1) the server's mean TTFT is the prefill speed the
-# later requests saw, and the better reference (that spread 0.8%/0.6% by TTFT, 2.3%/2.1% by ITL
-# in 20 runs of 2026-12-06); at concurrency 16 the wave is an eighth of a run and moved the
-# server's mean TTFT 10-13% beyond what the requests after it saw, while the engine's step time
-# (ITL) followed them (13.3%/10.4% by TTFT, 3.0%/2.8% by ITL). The report prints the choice and
-# both spreads per level. A tool that measured wrong (a TTFT that left out its connect or its first-chunk
+# later requests saw, and the better reference (that spread 0.7%/0.5% by TTFT, 2.0%/1.9% by ITL
+# in five runs of each tool, 2026-12-06); at concurrency 16 the wave is an eighth of a run and
+# moved the server's mean TTFT 10-13% beyond what the requests after it saw, while the engine's
+# step time (ITL) followed them (12.9%/10.2% by TTFT, 2.9%/2.7% by ITL, 20 runs of each; the
+# same choices in the two runs after). The report prints the choice and both spreads per level.
+# A tool that measured wrong (a TTFT that left out its connect or its first-chunk
 # parsing, a throughput over the wrong interval) is as far off after the rescaling as before;
 # what the rescaling takes out is the server running faster in one tool's runs than in the
 # other's. Both tables are printed, the as-measured deviation on the line before the last, and
