@@ -149,6 +149,7 @@ SHOWN = JUDGED + ((P99_STEADY, P99_STEADY, "TTFT p99 runs"), (P99_ALL, P99_ALL, 
 # what each tool reads above the server (its client's share of TTFT) in between.
 SERVER_KEYS = ("ttft", "itl", "e2e")
 STEADY = "steady"  # (the reference chosen per level for the TTFTs after the first wave: "ttft" or "itl")
+STEADY_SPREADS = "steady_spreads"  # (what that choice was made on, see steady_spreads)
 SCALES = {"output_throughput": ("itl", -1), "request_throughput": ("itl", -1), "mean_ttft_ms": ("ttft", 1),
           "median_ttft_ms": ("ttft", 1), P99_STEADY: (STEADY, 1), P99_ALL: ("ttft", 1), P99_POOLED: (STEADY, 1),
           FIRST_WAVE: ("ttft", 1),
@@ -440,14 +441,14 @@ def resampled_interval(ours: list[list[float]], theirs: list[list[float]], draws
 
 def server_refs(runs: dict, level: str) -> dict | None:
     """The level's server reference: the median over every run of both tools of the server's own
-    mean TTFT, ITL and e2e, and which of TTFT and ITL rescales the TTFTs after the first wave
-    (None when a run has no server reference)."""
+    mean TTFT, ITL and e2e, which of TTFT and ITL rescales the TTFTs after the first wave, and
+    the spreads that chose it (None when a run has no server reference)."""
     every = runs["servops"][level] + runs["vllm"][level]
     if not all("server" in run for run in every):
         return None
     refs = {h: statistics.median(run["server"][h] for run in every) for h in SERVER_KEYS}
-    spreads = steady_spreads(runs, level, refs)
-    refs[STEADY] = min(("ttft", "itl"), key=lambda h: sum(spreads[h]))
+    refs[STEADY_SPREADS] = steady_spreads(runs, level, refs)
+    refs[STEADY] = min(("ttft", "itl"), key=lambda h: sum(refs[STEADY_SPREADS][h]))
     return refs
 
 
@@ -460,14 +461,15 @@ def steady_spreads(runs: dict, level: str, refs: dict) -> dict[str, tuple[float,
     return {h: tuple(cv(runs[tool][level], h) for tool in ("servops", "vllm")) for h in ("ttft", "itl")}
 
 
-def table(runs: dict, corrected: bool) -> float:
-    """One table of every level and figure; returns the largest judged deviation (%)."""
+def table(runs: dict, refs_by_level: dict | None) -> float:
+    """One table of every level and figure, as measured or (with each level's server reference)
+    rescaled; returns the largest judged deviation (%)."""
     worst = 0.0
     print(f"\n{'level':>5} {'metric':<15} {'servops':>10} {'vllm bench':>10} {'diff':>7}   "
           f"round-to-round spread: servops / vllm bench")
     for level in sorted(runs["servops"], key=int):
         ours_rounds, their_rounds = runs["servops"][level], runs["vllm"][level]
-        refs = server_refs(runs, level) if corrected else None
+        refs = refs_by_level[level] if refs_by_level else None
         for ours_key, their_key, label in SHOWN:
             if ours_key == P99_POOLED:
                 ours_runs, their_runs = [], []
@@ -515,21 +517,22 @@ def report(runs: dict) -> float:
     print("\nAS MEASURED (each figure: the median of the tool's runs, but TTFT p99: every round's requests"
           "\n after its first wave, pooled; p99 runs: the median of each run's own p99 of those; all: every"
           "\n request)")
-    raw = table(runs, corrected=False)
+    raw = table(runs, None)
     levels = ",".join(sorted(runs["servops"], key=int))
-    if not all(server_refs(runs, level) for level in runs["servops"]):
+    refs_by_level = {level: server_refs(runs, level) for level in runs["servops"]}
+    if not all(refs_by_level.values()):
         print("(some runs have no server reference: judged as measured)")
         print(f"max deviation at concurrency {levels}: {raw:.1f}%")
         return raw
     above_server(runs)
     print("\nAT THE SERVER'S COMMON SPEED (each run's figures rescaled by the server's own mean TTFT or ITL"
           "\n in that run against the level's median over every run of both tools; see SERVER REFERENCE)")
-    worst = table(runs, corrected=True)
+    worst = table(runs, refs_by_level)
     for level in sorted(runs["servops"], key=int):
-        refs = server_refs(runs, level)
-        spreads = steady_spreads(runs, level, refs)
+        refs = refs_by_level[level]
         print(f"({level:>2}: TTFTs after the first wave rescaled by the server's {refs[STEADY].upper()}; the runs' mean "
-              "of those TTFTs varies by " + ", by ".join(f"{h.upper()} {a:.1f}% / {b:.1f}%" for h, (a, b) in spreads.items())
+              "of those TTFTs varies by " + ", by ".join(f"{h.upper()} {a:.1f}% / {b:.1f}%"
+                                                         for h, (a, b) in refs[STEADY_SPREADS].items())
               + " (servops / vllm bench))")
     print(f"max deviation as measured at concurrency {levels}: {raw:.1f}% (before the rescaling)")
     print(f"max deviation at concurrency {levels}: {worst:.1f}%")

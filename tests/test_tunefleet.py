@@ -124,7 +124,8 @@ def stop_hard(server) -> None:
     while todo:
         pid = todo.pop()
         doomed.append(pid)
-        todo.extend(c for c, facts in table.items() if facts["ppid"] == pid and is_sshd(c))
+        # (sshd, or OpenSSH 9.8+'s sshd-session)
+        todo.extend(c for c, facts in table.items() if facts["ppid"] == pid and procs._comm(c).startswith("sshd"))
     for pid in doomed:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -132,14 +133,6 @@ def stop_hard(server) -> None:
             pass
     server.proc.wait()
     server.proc = None
-
-
-def is_sshd(pid: int) -> bool:
-    """sshd, or OpenSSH 9.8+'s sshd-session."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().startswith("sshd")
-    except OSError:
-        return False
 
 
 def log_of(results: Path, host: str, name: str) -> list[dict]:
