@@ -511,6 +511,15 @@ def above_server(runs: dict) -> None:
                   f"{ratio:>18.3f} {itl:>14.2f}")
 
 
+def measured_levels(runs: dict) -> tuple[dict, list[str]]:
+    """The runs of the levels both tools have run at (--save writes after every run, so a file
+    saved mid-round can hold one tool's run of a level and not the other's), and the levels left
+    out."""
+    both = [level for level in runs["servops"] if runs["servops"][level] and runs["vllm"].get(level)]
+    return ({tool: {level: runs[tool][level] for level in both} for tool in ("servops", "vllm")},
+            [level for level in runs["servops"] if level not in both])
+
+
 def report(runs: dict) -> float:
     """Both tables (as measured; at the server's common speed), then the last line; returns the
     largest judged deviation (%): of the second table when every run has its server reference."""
@@ -556,6 +565,11 @@ def main() -> None:
             runs = json.loads(Path(opts.report).read_text())["runs"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             ap.error(f"--report {opts.report}: not a run saved with --save ({type(exc).__name__}: {exc})")
+        runs, left_out = measured_levels(runs)
+        if not runs["servops"]:
+            ap.error(f"--report {opts.report}: no level has a run of both tools yet")
+        for level in left_out:
+            print(f"(concurrency {level} left out: {opts.report} has no run of both tools there yet)")
         report(runs)
         return
     if opts.rounds < 1:

@@ -154,3 +154,11 @@ def test_the_resampled_interval_tells_a_real_p99_difference_from_noise(parity):
     assert low < 0 < high
     low, high = parity.resampled_interval(runs(1.3), runs(1.0))
     assert 0 < low < 30 < high
+
+
+def test_a_file_saved_mid_round_reports_the_levels_both_tools_ran(parity):
+    runs = runs_of([1.0, 1.1], [1.0, 1.1])
+    runs["servops"]["16"], runs["vllm"]["16"] = [run_at(1.0, 16, 100)], []
+    kept, left_out = parity.measured_levels(runs)
+    assert list(kept["servops"]) == list(kept["vllm"]) == ["4"] and left_out == ["16"]
+    assert kept["servops"]["4"] is runs["servops"]["4"]
