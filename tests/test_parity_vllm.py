@@ -162,3 +162,26 @@ def test_a_file_saved_mid_round_reports_the_levels_both_tools_ran(parity):
     kept, left_out = parity.measured_levels(runs)
     assert list(kept["servops"]) == list(kept["vllm"]) == ["4"] and left_out == ["16"]
     assert kept["servops"]["4"] is runs["servops"]["4"]
+
+
+def test_tail_attribution_puts_each_slow_first_token_on_its_side():
+    tail = bench_script("parity_vllm_tail")
+    rows = []
+    for i in range(200):  # one request every 0.8 s: TTFT 34 ms (server 32.5), step time 24 ms
+        t = i * 0.8
+        episode = 40 <= t < 60  # the engine runs 1.8x slower for 20 s
+        speed = 1.8 if episode else 1.0
+        row = {"i": i, "t": 1000.0 + t, "ttft_ms": 34.0 * speed, "server_ttft_ms": 32.5 * speed,
+               "itl_ms": 24.0 * speed, "server_itl_ms": 24.0 * speed}
+        if i in (10, 110):  # the client's side: the server's own TTFT normal
+            row["ttft_ms"] = 60.0
+        if i == 150:  # the server's alone, its step time normal
+            row.update(ttft_ms=70.0, server_ttft_ms=68.5)
+        rows.append(row)
+    a = tail.attribute(rows)
+    assert a["median"]["server_ttft_ms"] == 32.5
+    assert sorted(r["i"] for r in a["slow"]) == sorted([10, 110, 150, *range(50, 75)])
+    assert sorted(r["i"] for r in a["server_side"]) == list(range(50, 75)) + [150]
+    assert sorted(r["i"] for r in a["engine_slow"]) == list(range(50, 75))
+    assert a["slow_windows"] == [4, 5]  # 40-50 s and 50-60 s
+    assert a["gap_median_ms"] == 1.5
