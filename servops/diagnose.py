@@ -192,6 +192,19 @@ def match(finding: dict, issues: list[dict]) -> list[dict]:
     return causes or ranked
 
 
+def match_log(findings: list[dict], issues: list[dict]) -> tuple[list[list[dict]], list[dict | None]]:
+    """match() for each finding of one log, with the fallback rule lifted to the log: a finding
+    only a `fallback` entry matches ("the engine core failed to start") reports a failure, and
+    where another finding of the same log names a cause, that is the failure it reports: it
+    names no known issue of its own. Returns each finding's hits and, for such a finding, the
+    fallback entry it was left without (else None)."""
+    all_hits = [match(f, issues) for f in findings]
+    if not any(hits and not hits[0].get("fallback") for hits in all_hits):
+        return all_hits, [None] * len(all_hits)
+    reports = [hits[0] if hits and hits[0].get("fallback") else None for hits in all_hits]
+    return [[] if fallback else hits for hits, fallback in zip(all_hits, reports)], reports
+
+
 def call_chain(finding: dict, entry_rx: str | None) -> list[str]:
     """From the entry point (e.g. the capture) to the failing call, through dynamo's traced user code."""
     chain_exc = [e for e in finding.get("chain") or [] if e["frames"] or e["user_frames"]]
@@ -419,7 +432,7 @@ def _print_frames(p: _Printer, title: str, frames: list[dict], offline: bool):
 
 
 def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: list[dict], explain: bool,
-                  offline: bool):
+                  offline: bool, reported: dict | None = None):
     lines = f"log line {f['line']}" + (f"-{f['last']}" if f.get("last", f["line"]) > f["line"] else "")
     occ = f", {f['occurrences']} times" if f.get("occurrences", 1) > 1 else ""
     p.rule(f"{host}: failure {n}/{total} ({lines}, {_ranks_text(f)}{occ})")
@@ -488,6 +501,9 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
             p.line("see: ", hit["link"], indent=2)
         if len(hits) > 1:
             p.line("also matches (less specific): ", ", ".join(f"{h['id']} ({h['category']})" for h in hits[1:]), indent=2)
+    elif reported:
+        p.line((f"reports the failure another finding of this log names ({reported['id']} is named only where "
+                f"the log shows no cause)", "dim"))
     else:
         p.line(("no known issue matches this failure", "dim"))
     if explain:
@@ -505,7 +521,7 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
     findings = scan["findings"]
     rep = HostReport(host, findings=len(findings) + scan.get("more", 0), ended=scan.get("ended"))
     offline = bool(result.get("offline"))
-    all_hits = [match(f, issues) for f in findings]
+    all_hits, reports = match_log(findings, issues)
     for hits in all_hits:
         if hits:
             rep.matched.append((hits[0]["id"], hits[0]["category"]))
@@ -528,8 +544,8 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         p.line((f"{host}: ", "bold"), where)
     if result.get("truncated"):
         p.line(("only the last 16 MiB of the log was read", "dim"))
-    for n, (f, hits) in enumerate(zip(findings, all_hits), 1):
-        print_finding(p, host, n, len(findings), f, hits, explain, offline)
+    for n, (f, hits, reported) in enumerate(zip(findings, all_hits, reports), 1):
+        print_finding(p, host, n, len(findings), f, hits, explain, offline, reported)
     if scan.get("more"):
         p.line(f"... and {scan['more']} more failure(s) not shown")
     if scan.get("ended") and not rep.matched:

@@ -319,8 +319,8 @@ def diagnose_release(hs: HostSession, release: str) -> list[dict]:
     res = dg.diagnose(hs, release)
     issues = dg.known_issues()
     out = []
-    for f in res["scan"]["findings"]:
-        hits = dg.match(f, issues)
+    found = res["scan"]["findings"]
+    for f, hits in zip(found, dg.match_log(found, issues)[0]):
         top = hits[0] if hits else None
         frames = [f"{fr['func']} ({fr['path']}:{fr['line']})" for fr in dg.finding_frames(f)[-3:]]
         out.append({"entry": top and top["id"], "category": top and top["category"],

@@ -36,7 +36,7 @@ def manifests(batch: str | None = None) -> tuple[list[dict], list[dict]]:
 def score(failures: list[dict], healthy: list[dict]) -> dict:
     from rich.console import Console
 
-    from servops.diagnose import known_issues, match, report
+    from servops.diagnose import known_issues, match_log, report
     from servops.remote.tracebacks import scan
 
     issues = known_issues()
@@ -47,7 +47,7 @@ def score(failures: list[dict], healthy: list[dict]) -> dict:
         result = scan((REAL / case["file"]).read_text())
         verdict = report(case["file"], {"scan": result, "source": case["file"], "offline": True}, issues,
                          con=Console(file=StringIO())).verdict
-        hits = [match(f, issues) for f in result["findings"]]
+        hits = match_log(result["findings"], issues)[0]
         want = category[case["expect"]] if case["expect"] else case.get("category")
         named = {h[0]["category"] for h in hits if h}
         found = verdict != "no errors found"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servops.diagnose import CATEGORIES, evidence, known_issues, match
+from servops.diagnose import CATEGORIES, evidence, known_issues, match, match_log, report
 from servops.remote.logscan import normalise
 from servops.remote.tracebacks import all_frames, scan
 
@@ -68,7 +68,7 @@ def test_each_entry_matches_its_own_logs_and_nothing_else(case):
     text = (REAL / case["file"]).read_text()
     found = findings(text)
     assert found, "no failure found in a log that shows one"
-    all_hits = [match(f, ISSUES) for f in found]
+    all_hits = match_log(found, ISSUES)[0]
     named = [hits[0]["id"] for hits in all_hits if hits]
     if case["expect"] is None:
         assert named == [], f"{case['file']} must match nothing, matched {named}"
@@ -362,3 +362,27 @@ def test_clean_logs_and_warnings_are_not_failures():
             'WARNING 01-28 03:21:02 [registry.py:1]   File "/x/plugin.py", line 3, in load\n'
             "WARNING 01-28 03:21:02 [registry.py:1] ModuleNotFoundError: No module named 'optional_plugin'\n")
     assert findings(warn) == []
+
+
+def test_the_engine_core_wrapper_is_not_named_beside_the_cause_the_log_shows():
+    # a worker's illegal memory access, then vLLM's "EngineCore failed to start": the second
+    # finding is the report of the first, not a second known issue
+    from io import StringIO
+
+    from rich.console import Console
+
+    name = "vllm-windows-72-illegal-memory-access.log"
+    found = findings((REAL / name).read_text())
+    assert [h[0]["id"] if h else None for h in (match(f, ISSUES) for f in found)] == \
+        ["cuda-illegal-memory-access", "vllm-engine-core-died"]
+    hits, reported = match_log(found, ISSUES)
+    assert [h[0]["id"] if h else None for h in hits] == ["cuda-illegal-memory-access", None]
+    assert [r and r["id"] for r in reported] == [None, "vllm-engine-core-died"]
+    out = StringIO()
+    rep = report(name, {"scan": scan((REAL / name).read_text()), "source": name, "offline": True}, ISSUES,
+                 con=Console(file=out, width=200))
+    assert rep.verdict == "matched: cuda-illegal-memory-access (illegal-memory-access)"
+    assert "reports the failure another finding of this log names (vllm-engine-core-died is named only" in out.getvalue()
+    # where the log shows nothing else, the wrapper is still named
+    only = findings((REAL / "vllm-17939-engine-core-init-wrapper.log").read_text())
+    assert [h[0]["id"] for h in match_log(only, ISSUES)[0] if h] == ["vllm-engine-core-died"]

@@ -256,6 +256,36 @@ def test_a_fallback_entry_must_say_true_or_false(tmp_path):
         raise AssertionError("a non-boolean fallback was accepted")
 
 
+# -- 13. blind batch of 2026-12-06 ---------------------------------------------------------------------
+
+def test_a_traceback_pasted_with_a_blank_line_after_every_line_keeps_its_frames_and_exception():
+    # a CI console quoted line by line (sglang#12031): source lines and carets each one blank line down
+    [f] = findings(real("sglang-12031-deepseek-ocr-lm-head-keyerror.log"))
+    assert f["root_exception"] == "KeyError: 'lm_head.weight'"
+    [frame] = all_frames(f)
+    assert frame["func"] == "load_weights" and frame["code"] == "param = params_dict[name]"
+    assert ids(f) == ["checkpoint-weight-name-mismatch"]
+    spaced = "\n\n".join(['Traceback (most recent call last):', '  File "/srv/app.py", line 3, in <module>',
+                           '    main()', '  File "/srv/app.py", line 2, in main', '    raise ValueError("no")',
+                           'ValueError: no'])
+    [f] = findings(spaced)
+    assert [fr["code"] for fr in all_frames(f)] == ["main()", 'raise ValueError("no")'] and f["root_exception"] == "ValueError: no"
+
+
+def test_what_vllm_logs_quietly_or_bare_before_it_fails_is_evidence():
+    # the memory profile left the KV cache less than nothing (INFO), then the engine core failed
+    [f] = findings(real("vllm-23278-gpt-oss-negative-kv-cache.log"))
+    assert ids(f) == ["kv-cache-no-room"]
+    assert findings("INFO 08-20 18:04:22 [gpu_worker.py:276] Available KV cache memory: 12.14 GiB\n") == []
+    # the capability check's message alone, pasted without its ValueError
+    [f] = findings(real("vllm-1488-awq-on-v100.log"))
+    assert f["errors"][0]["class"] == "quantization" and ids(f) == ["quantization-needs-newer-gpu"]
+    # vLLM V0's front end after its engine loop died: an abnormal end, the engine-death entry
+    result = scan(real("vllm-13939-mqllmengine-already-dead.log"))
+    assert result["ended"]["how"] == "died"
+    assert [ids(f) for f in result["findings"]] == [["vllm-engine-core-died"]]
+
+
 # -- seen on the real H200 (gpu-sglang kit): a server that carries on, and servops' own stop -------
 
 def test_an_optional_part_disabled_for_an_exception_is_no_failure_but_a_real_one_is():

@@ -102,6 +102,9 @@ _ERROR_CLASSES = [
                         r"\b40[13] Client Error|Repository Not Found for url|We couldn't connect to 'https://huggingface\.co'")),
     # the GPU below what the server or the dtype needs, said without an exception class
     ("arch", _re.compile(r"is only supported on GPUs with compute capability|GPUs with compute capability (?:below|lower than) [\d.]+ are not supported")),
+    # vLLM's memory profile leaving the KV cache less than nothing, logged at INFO right before
+    # the engine core fails (`Available KV cache memory: -2.14 GiB`)
+    ("kv-cache", _re.compile(r"Available KV cache memory: -\d")),
     # an extension built against other libraries than the installed ones
     ("linker", _re.compile(r"undefined symbol: \S")),
     # the host refusing a thread or a process (pids/threads limit, ulimit)
@@ -110,10 +113,15 @@ _ERROR_CLASSES = [
     # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig";
     # argparse refusing the command line: "launch_server.py: error: unrecognized arguments: --x"
     ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+|^[\w.-]+: error: \S")),
+    # vLLM's capability check of a quantization method, pasted without its exception class
+    ("quantization", _re.compile(r"quantization method \S+ is not supported for the current GPU")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
                          r"Got fatal signal from worker processes|EngineCore encountered an issue|"
                          r"returned non-zero exit status -?[1-9]|"
                          r"Engine core initialization failed|Engine process failed to start|WorkerProc hit an exception|"
+                         # vLLM V0's API server when its engine loop died
+                         r"MQLLMEngine is already dead|AsyncLLMEngine has failed, terminating|Engine failed, terminating server|"
+                         r"Background loop has errored already|Engine loop is not running|"
                          r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|"
                          r"died with (?:exit code|signal)|\bShard \d+ failed to start|ShardCannotStart|ShardFailed|"
                          # TGI's router: the shard's socket is gone (the shard process exited)
@@ -128,6 +136,7 @@ _WEAK = ("hint",)  # a cause only when nothing stronger is there
 # Exceptions that only report that another process already failed (vLLM's front end when its
 # engine core died, a worker wrapper re-raising): after a real failure they are its consequence.
 _CONSEQUENCE_EXC = _re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue|"
+                               r"Background loop has errored already|Engine loop is not running|"
                                r"EngineCore failed to start|Engine process failed to start|WorkerProc initialization failed|"
                                r"Exception in worker \S+ while processing method|Error executing method \S+\. This might cause deadlock")
 # The process died or exited in failure: a signal, a non-zero exit, a killed child, a dead engine.
@@ -140,6 +149,7 @@ _ENDED = _re.compile(
     r"\bexit(?:ed)? (?:with )?(?:code|status)\s*[:=]?\s*-?[1-9]\d*|\bexitcode\s*:\s*-?[1-9]\d*|returned non-zero exit status|"
     r"died with (?:exit code|signal)|died, exit code|Out of memory: Killed process|OOMKilled|"
     r"EngineDeadError|Engine core initialization failed|EngineCore failed to start|Engine process failed to start|"
+    r"MQLLMEngine is already dead|AsyncLLMEngine has failed, terminating|Engine failed, terminating server|"
     r"Got fatal signal from worker processes|Received sigquit from a child process|ShardCannotStart|Shard \d+ failed to start")
 _ENDED_WORDS = ("ault", "SIG", "core dumped", "Killed", "Bus error", "llegal", "Aborted", "Floating", "Trace/", "signal",
                 "xit", "died", "Out of memory", "OOMKilled", "Engine", "sigquit", "Shard")
@@ -167,11 +177,14 @@ _CLASS_WORDS = {
     "oom-kill": ("Out of memory", "oom-kill", "OOMKilled"),
     "hub": ("gated repo", "You must", "Client Error", "Repository Not Found", "couldn't connect"),
     "arch": ("compute capability",),
+    "kv-cache": ("KV cache memory: -",),
     "linker": ("undefined symbol",),
     "limits": ("pthread_create", "new thread", "to create", "Thread creation", "fork:", "open files"),
     "invalid": ("alue error", "validation error", ": error: "),
+    "quantization": ("current GPU",),
     "exit": ("sigquit", "to start", "initialization failed", "WorkerProc", "xit", "XIT", "died with", "Shard",
-             "trying to connect", "fatal signal", "encountered an issue"),
+             "trying to connect", "fatal signal", "encountered an issue", "already dead", "has failed", "Engine failed",
+             "errored already", "not running"),
     "message": ("Error", "FATAL", "Fatal error", "error: "),
 }
 _EXC_WORDS = ("Error", "Exception", "Unsupported", "Exit", "Interrupt", "Failure", "Timeout", "OutOfResources")
@@ -298,6 +311,13 @@ class _Stream(object):
                 j = i + 1
                 if j < self.n and self._foreign(j, i):
                     j = self._skip_foreign(j, i, lambda k: _indent(self.text(k)) > ind and not _FRAME.match(self.text(k)))
+                # a paste with a blank line after every line (a CI console quoted line by line):
+                # the frame's source line, and its carets, each one blank line further down
+                spaced = (j + 1 < self.n and not self.text(j).strip() and _indent(self.text(j + 1)) > ind
+                          and not _FRAME.match(self.text(j + 1)) and not _CARETS.match(self.text(j + 1)))
+                if spaced:
+                    j += 1
+                    self.gapped = True
                 # faulthandler's frames (`line 12 in f`, no comma) never show a source line
                 if j < self.n and (m.group("func") is None or ", in" in t):
                     nt = self.text(j)
@@ -306,6 +326,8 @@ class _Stream(object):
                             and (_indent(nt) > ind or not _looks_exception(nt) or self._frame_at(j + 1))):
                         fr["code"] = nt.strip()
                         j = self._statement(j, ind)
+                        while spaced and j + 1 < self.n and not self.text(j).strip() and _CARETS.match(self.text(j + 1)):
+                            j += 2
                 while j < self.n and _CARETS.match(self.text(j)):
                     j += 1
                 frames.append(fr)
@@ -598,7 +620,8 @@ class _Stream(object):
                     self.items.append(("exc", exc))
                 continue
             # (an extension that cannot load, logged only as a warning, never heals: evidence)
-            quiet = ln.level in _QUIET_LEVELS and not (ln.level[:4] == "WARN" and "undefined symbol" in t)
+            quiet = ln.level in _QUIET_LEVELS and not ((ln.level[:4] == "WARN" and "undefined symbol" in t)
+                                                       or "KV cache memory: -" in t)
             m = None
             if not quiet and ": " in t and any(w in t for w in _EXC_WORDS):
                 m = _EXC_EMBEDDED.search(t)
