@@ -183,7 +183,8 @@ SCALES = {"output_throughput": ("itl", -1), "request_throughput": ("itl", -1), "
 # noise a difference is read against. Seen 2026-12-06 at the server's common speed, 5, 10 and 7
 # rounds: p99 at 1: 5.8%, 2.4%, 20.7% apart (the last with servops lower, its interval -30.5% ..
 # +8.2%: at concurrency 1 the p99 of 441 requests is their fifth slowest, and rare stalls of
-# 50-76 ms against a median of 34, 10 of vllm bench's requests and 5 of servops', decide it);
+# 50-76 ms against a median of 34, 10 of vllm bench's requests and 5 of servops', decide it;
+# bench/parity_vllm_tail.py puts most of them on the server's side, in bursts of seconds);
 # at 4: 1.0%, 3.6%, 2.8%; at 16: 2.2%, 0.8%, 1.2%; intervals 10-40 points wide.
 # Each run's own p99, the median over the runs, and the p99 over every request are printed
 # beside the judged one.
