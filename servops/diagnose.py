@@ -122,6 +122,10 @@ def evidence(f: dict) -> Evidence:
         if exc.get("type"):
             types.append(exc["type"])
             text.append(f"{exc['type']}: {exc.get('message', '')}")
+        elif exc.get("frames") and str(exc["frames"][-1].get("code") or "").startswith("raise "):
+            # a traceback cut before its exception line: the last frame's own `raise X("...")`
+            # says what was raised
+            text.append(exc["frames"][-1]["code"])
         if exc.get("context"):
             text.append(exc["context"])
         text.extend(exc.get("details") or [])

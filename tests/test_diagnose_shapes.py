@@ -286,6 +286,20 @@ def test_what_vllm_logs_quietly_or_bare_before_it_fails_is_evidence():
     assert [ids(f) for f in result["findings"]] == [["vllm-engine-core-died"]]
 
 
+def test_a_traceback_cut_before_its_exception_is_read_by_its_last_raise():
+    # vllm#27508: the engine core's traceback stops at `raise ValueError("No available memory ...`
+    [f] = findings(real("vllm-27508-no-kv-cache-memory.log"))
+    assert f["root_exception"] == "(exception line not in the log)"
+    assert ids(f) == ["kv-cache-no-room"]
+
+
+def test_a_wrappers_tag_in_front_of_a_rust_panic_is_a_prefix():
+    # the SGLang router's lines under its launcher's `[SGLang LOG] ` tag (arbor#48)
+    [f] = findings(real("arbor-48-sglang-router-too-many-open-files.log"))
+    assert f["root_exception"].startswith("thread 'actix-rt|system:0|arbiter:242' panicked at ")
+    assert ids(f) == ["process-thread-limit"]
+
+
 # -- seen on the real H200 (gpu-sglang kit): a server that carries on, and servops' own stop -------
 
 def test_an_optional_part_disabled_for_an_exception_is_no_failure_but_a_real_one_is():

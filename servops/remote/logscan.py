@@ -78,9 +78,11 @@ _GLOG_LEVELS = {"E": "ERROR", "F": "FATAL", "W": "W", "I": "I", "D": "D"}
 _NEW_RECORD = {"sglang", "sglang-gpu", "glog", "glog2"}
 _LEARN_ANCHOR = _re.compile(
     r"Traceback \(most recent call last\)|terminate called|Fatal Python error|File \"[^\"]+\", line \d+|what\(\): |frame #\d+: |"
-    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*(?=[A-Z])\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)")
+    r"(?:^|\s)(?:[A-Za-z_][\w]*\.)*(?=[A-Z])\w*(?:Error|Exception|Unsupported|OutOfResources)(?::|$)|"
+    # a Rust panic (SGLang's router, TGI's launcher) under a wrapper's tag: `[SGLang LOG] thread 'x' panicked at`
+    r"thread '[^'\n]*' panicked at\b")
 _ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Exception", "Unsupported", "OutOfResources",
-                 "what():", "frame #")
+                 "what():", "frame #", "panicked at")
 _UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
 
 
