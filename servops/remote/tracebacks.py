@@ -619,7 +619,8 @@ class _Stream(object):
                 if exc["type"] or not _WARNING_STACK.search(before):
                     self.items.append(("exc", exc))
                 continue
-            # (an extension that cannot load, logged only as a warning, never heals: evidence)
+            # (an extension that cannot load, logged only as a warning, never heals; a KV cache left less
+            # than nothing is logged at INFO before the engine fails: evidence both)
             quiet = ln.level in _QUIET_LEVELS and not ((ln.level[:4] == "WARN" and "undefined symbol" in t)
                                                        or "KV cache memory: -" in t)
             m = None
