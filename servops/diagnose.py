@@ -548,6 +548,8 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         p.line((f"{host}: ", "bold"), where)
     if result.get("truncated"):
         p.line(("only the last 16 MiB of the log was read", "dim"))
+    if scan.get("newest_first"):
+        p.line(("the log lists its newest line first: read oldest first, line numbers count from its last line", "dim"))
     for n, (f, hits, reported) in enumerate(zip(findings, all_hits, reports), 1):
         print_finding(p, host, n, len(findings), f, hits, explain, offline, reported)
     if scan.get("more"):

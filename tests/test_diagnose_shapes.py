@@ -300,6 +300,32 @@ def test_a_wrappers_tag_in_front_of_a_rust_panic_is_a_prefix():
     assert ids(f) == ["process-thread-limit"]
 
 
+def test_a_log_listed_newest_first_is_read_oldest_first():
+    # Google Cloud's log viewer (sglang#5095): the KeyError is the cause, the shell's "Killed" the end
+    result = scan(real("sglang-5095-modelopt-fp8-input-scale.log"))
+    [f] = result["findings"]
+    assert result["newest_first"] and f["root_exception"] == "KeyError: 'model.layers.55.mlp.gate_up_proj.input_scale'"
+    assert ids(f) == ["checkpoint-weight-name-mismatch"] and "Killed" in result["ended"]["text"]
+    out = StringIO()
+    report("h", {"scan": result, "source": "log", "offline": True}, ISSUES, con=Console(file=out, width=200))
+    assert "the log lists its newest line first" in out.getvalue()
+    # time stamps that rise (or one out of order) are a log as written
+    rising = "".join(f"2025-04-07T19:13:5{k}.0Z line {k}\n" for k in range(6))
+    assert "newest_first" not in scan(rising)
+
+
+def test_an_exception_whose_message_starts_on_the_next_line_is_read_with_it():
+    # sgl_kernel raises ImportError("\n[sgl_kernel] CRITICAL: ...") (sglang#17460)
+    [f] = findings(real("sglang-17460-cpu-kernel-torch-abi.log"))
+    assert f["root_exception"] == "ImportError: [sgl_kernel] CRITICAL: Could not load any common_ops library!"
+    assert ids(f) == ["extension-built-for-another-torch"]
+
+
+def test_sglangs_capture_advice_alone_is_a_failure_it_names_no_cause_for():
+    [f] = findings(real("sglang-6218-deepep-normal-cudagraph.log"))
+    assert f["errors"][0]["class"] == "hint" and ids(f) == []
+
+
 # -- seen on the real H200 (gpu-sglang kit): a server that carries on, and servops' own stop -------
 
 def test_an_optional_part_disabled_for_an_exception_is_no_failure_but_a_real_one_is():

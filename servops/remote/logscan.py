@@ -350,14 +350,21 @@ def _rewrap(body, next_raw, learned):
     return None
 
 
-def _double_spaced(text):
+_GUTTER_ONLY = _re.compile(r"^(?:[ \t]*>)+[ \t]*$")  # a blank line of a quoted paste
+
+
+def _blank(raw):
+    return not raw.strip() or bool(_GUTTER_ONLY.match(raw))
+
+
+def _double_spaced(raw_lines):
     """Whether a paste put a blank line after every line (a web viewer's or an email client's
-    copy): then every single blank line is an artefact, and a run of 2k+1 stands for k."""
-    nl = text.count("\n")
-    if nl < 6:
+    copy, a CI console quoted line by line): then every single blank line is an artefact, and a
+    run of 2k+1 stands for k."""
+    if len(raw_lines) < 7:
         return False
-    pairs = text.count("\n\n") + text.count("\n\r\n")
-    return pairs * 20 >= nl * 7
+    blanks = sum(1 for raw in raw_lines if _blank(raw))
+    return blanks * 20 >= (len(raw_lines) - 1) * 7
 
 
 def _undouble(raw_lines):
@@ -365,7 +372,7 @@ def _undouble(raw_lines):
     out, numbers = [], []
     run = 0
     for no, raw in enumerate(raw_lines, 1):
-        if not raw.strip():
+        if _blank(raw):
             run += 1
             continue
         if run:
@@ -378,13 +385,36 @@ def _undouble(raw_lines):
     return out, numbers
 
 
+_STAMP = _re.compile(r"(?:^|\s)(\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?)")
+
+
+def newest_first(raw_lines):
+    """Whether the lines are in reverse order of time, as cloud log viewers show them (Google
+    Cloud's Logs Explorer, some Kubernetes consoles): the time stamp near each line's start never
+    rises from one line to the next and falls at least a few times."""
+    stamps = []
+    for raw in raw_lines[:5000]:
+        m = _STAMP.search(raw[:80])
+        if m:
+            stamps.append(m.group(1).replace("T", " ").replace(",", "."))
+    if len(stamps) < 5:
+        return False
+    falls = sum(1 for a, b in zip(stamps, stamps[1:]) if b < a)
+    rises = sum(1 for a, b in zip(stamps, stamps[1:]) if b > a)
+    return rises == 0 and falls >= 3
+
+
 def normalise(text):
     """Every line without its prefixes, with the rank/process (stream) that wrote it."""
     raw_lines = text.splitlines()
     numbers = None
     head = text[:200000]
-    if ("\n\n" in head or "\n\r\n" in head) and _double_spaced(text):
+    if ("\n\n" in head or "\n\r\n" in head or "\n>" in head) and _double_spaced(raw_lines):
         raw_lines, numbers = _undouble(raw_lines)
+    if newest_first(raw_lines):
+        # read oldest first, as written; line numbers count from the oldest line (what comes
+        # before a failure is compared by them), the report says so
+        raw_lines, numbers = raw_lines[::-1], None
     if any(len(r) > 400 and r.count(_FILE_IN_LINE) > 1 for r in raw_lines):
         # (the same prefix found in a line with frames splits the paste's other joined lines too:
         # the one holding the exception line has no frame to find it by)

@@ -8,7 +8,7 @@
 import re as _re
 
 if "normalise" not in globals():  # imported as a module; the host program has logscan.py above
-    from .logscan import normalise, streams  # noqa: F401
+    from .logscan import newest_first, normalise, streams  # noqa: F401
 
 _TB_START = _re.compile(r"Traceback \(most recent call last\):?")
 _FRAME = _re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,? in ?(?P<func>.*?))?\s*$')
@@ -81,7 +81,9 @@ _ERROR_CLASSES = [
     ("mpi", _re.compile(r"\b(?:PRTE|ORTE|PMIX) ERROR\b|MPI_ABORT was invoked|\bMPI error\b")),
     # SGLang's advice printed after a piecewise CUDA graph failure (and by other ranks): evidence
     # that something failed there, but never the failure itself when anything else says more
-    ("hint", _re.compile(r"Piecewise CUDA Graph is enabled by default as an experimental")),
+    ("hint", _re.compile(r"Piecewise CUDA Graph is enabled by default as an experimental|"
+                         # the advice under SGLang's "Capture cuda graph failed" (an excerpt may hold only it)
+                         r"disable (?:cuda|CUDA) graph by --disable-cuda-graph|set --cuda-graph-max-bs to a smaller value")),
     ("sglang", _re.compile(r"Piecewise CUDA Graph failed|Capture (?:piecewise )?cuda graph failed|"
                            r"(?:TokenizerManager|DetokenizerManager|DataParallelController) hit an exception|Exception in run_tp_server|"
                            r"scheduler is dead|Child process unexpectedly failed", _re.I)),
@@ -168,7 +170,7 @@ _CLASS_WORDS = {
     "signal": ("Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Illegal instruction", "Aborted",
                "Floating point", "Trace/", "illegal hardware"),
     "mpi": ("TE ERROR", "PMIX", "MPI"),
-    "hint": ("Piecewise",),
+    "hint": ("Piecewise", "-cuda-graph"),
     "sglang": ("raph failed", "RAPH FAILED", "hit an exception", "run_tp_server", "is dead", "unexpectedly"),
     "build": ("ninja", "Ninja", "FAILED", "fatal", "detected in the compilation", "ptxas", "error: command"),
     "bind": ("ddress already", "EADDRINUSE", "bind"),
@@ -311,13 +313,6 @@ class _Stream(object):
                 j = i + 1
                 if j < self.n and self._foreign(j, i):
                     j = self._skip_foreign(j, i, lambda k: _indent(self.text(k)) > ind and not _FRAME.match(self.text(k)))
-                # a paste with a blank line after every line (a CI console quoted line by line):
-                # the frame's source line, and its carets, each one blank line further down
-                spaced = (j + 1 < self.n and not self.text(j).strip() and _indent(self.text(j + 1)) > ind
-                          and not _FRAME.match(self.text(j + 1)) and not _CARETS.match(self.text(j + 1)))
-                if spaced:
-                    j += 1
-                    self.gapped = True
                 # faulthandler's frames (`line 12 in f`, no comma) never show a source line
                 if j < self.n and (m.group("func") is None or ", in" in t):
                     nt = self.text(j)
@@ -326,8 +321,6 @@ class _Stream(object):
                             and (_indent(nt) > ind or not _looks_exception(nt) or self._frame_at(j + 1))):
                         fr["code"] = nt.strip()
                         j = self._statement(j, ind)
-                        while spaced and j + 1 < self.n and not self.text(j).strip() and _CARETS.match(self.text(j + 1)):
-                            j += 2
                 while j < self.n and _CARETS.match(self.text(j)):
                     j += 1
                 frames.append(fr)
@@ -791,7 +784,10 @@ def describe(exc):
     if not exc:
         return ""
     if exc.get("type"):
-        return exc["type"] + (": " + exc["message"] if exc.get("message") else "")
+        # a message that starts on the line below (`raise ImportError("\n[sgl_kernel] ...")`):
+        # its first line
+        message = exc.get("message") or next((d for d in exc.get("details") or [] if d.strip()), "")
+        return exc["type"] + (": " + message.strip() if message else "")
     return NO_EXCEPTION_LINE
 
 
@@ -967,5 +963,8 @@ def scan(text):
         f["root_exception"], f["final_exception"] = summarise(f)
         by_sig[sig] = f
         findings.append(f)
-    return {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines),
-            "ended": ended_abnormally(lines)}
+    result = {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines),
+              "ended": ended_abnormally(lines)}
+    if newest_first(text.splitlines()[:5000]):
+        result["newest_first"] = True  # (read oldest first: its line numbers count from the oldest line)
+    return result
