@@ -33,6 +33,15 @@ def manifests(batch: str | None = None) -> tuple[list[dict], list[dict]]:
     return failures, healthy
 
 
+def shown_finding(findings: list[dict], hits: list[list[dict]]) -> dict | None:
+    """The finding whose root the user reads as the log's: the first a known issue names, else the
+    first with its exception line, else the first."""
+    from servops.remote.tracebacks import NO_EXCEPTION_LINE
+
+    return next((f for f, h in zip(findings, hits) if h), None) \
+        or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
+
+
 def score(failures: list[dict], healthy: list[dict]) -> dict:
     from rich.console import Console
 
@@ -62,7 +71,7 @@ def score(failures: list[dict], healthy: list[dict]) -> dict:
             out["right_category"] += right
         rooted = True
         if case.get("root"):
-            shown = next((f for f, h in zip(result["findings"], hits) if h), (result["findings"] or [None])[0])
+            shown = shown_finding(result["findings"], hits)
             rooted = bool(shown and re.search(case["root"], shown["root_exception"]))
             out["with_root"] += 1
             out["right_root"] += rooted

@@ -12,6 +12,8 @@ from servops.diagnose import CATEGORIES, evidence, known_issues, match, match_lo
 from servops.remote.logscan import normalise
 from servops.remote.tracebacks import all_frames, scan
 
+from diagnose_score import shown_finding
+
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 FIXTURES = REAL.parent
 MANIFEST = yaml.safe_load((REAL / "manifest.yml").read_text())
@@ -85,7 +87,7 @@ def test_each_entry_matches_its_own_logs_and_nothing_else(case):
 def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(case):
     # anchored: a prefix, a quote mark or a colour code left in front of it is wrong
     found = findings((REAL / case["file"]).read_text())
-    hit = next((f for f in found if match(f, ISSUES)), found[0])
+    hit = shown_finding(found, match_log(found, ISSUES)[0])
     assert re.search(case["root"], hit["root_exception"]), hit["root_exception"]
 
 

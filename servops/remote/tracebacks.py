@@ -96,7 +96,8 @@ _ERROR_CLASSES = [
     # torch.distributed's rendezvous: the c10d store cannot be reached or set up (multi-node
     # --dist-init-addr / MASTER_ADDR unreachable, a firewall, a wrong node rank)
     ("dist", _re.compile(r"The client socket has (?:timed out|failed)|\bDist(?:Network|Store)Error\b|"
-                         r"Rendezvous(?:Connection|Timeout|Closed)Error|TCPStore.*(?:timed out|[Ff]ailed)|connect\(\) timed out")),
+                         r"Rendezvous(?:Connection|Timeout|Closed)Error|TCPStore.*(?:timed out|[Ff]ailed)|connect\(\) timed out|"
+                         r"Gloo connectFullMesh failed")),
     # a Rust panic (SGLang's router, TGI's launcher): no Python traceback at all
     ("panic", _re.compile(r"\bthread '[^'\n]*' panicked at\b|^panicked at '")),
     ("oom-kill", _re.compile(r"Out of memory: Killed process|oom-kill|OOMKilled")),
@@ -115,6 +116,8 @@ _ERROR_CLASSES = [
     # pydantic's ValidationError lines (vLLM's argument checks): "1 validation error for ModelConfig";
     # argparse refusing the command line: "launch_server.py: error: unrecognized arguments: --x"
     ("invalid", _re.compile(r"^\s*Value error, |^\d+ validation errors? for [A-Z]\w+|^[\w.-]+: error: \S")),
+    # the server's list of architectures refusing the model, pasted without its ValueError
+    ("model", _re.compile(r"^Model architectures? \[[^\]]*\] (?:are|is) not supported for now")),
     # vLLM's capability check of a quantization method, pasted without its exception class
     ("quantization", _re.compile(r"quantization method \S+ is not supported for the current GPU")),
     ("exit", _re.compile(r"Received sigquit from a child process|EngineCore failed to start|WorkerProc failed to start|"
@@ -174,7 +177,7 @@ _CLASS_WORDS = {
     "sglang": ("raph failed", "RAPH FAILED", "hit an exception", "run_tp_server", "is dead", "unexpectedly"),
     "build": ("ninja", "Ninja", "FAILED", "fatal", "detected in the compilation", "ptxas", "error: command"),
     "bind": ("ddress already", "EADDRINUSE", "bind"),
-    "dist": ("socket has", "Dist", "Rendezvous", "TCPStore", "connect()"),
+    "dist": ("socket has", "Dist", "Rendezvous", "TCPStore", "connect()", "connectFullMesh"),
     "panic": ("panicked",),
     "oom-kill": ("Out of memory", "oom-kill", "OOMKilled"),
     "hub": ("gated repo", "You must", "Client Error", "Repository Not Found", "couldn't connect"),
@@ -183,6 +186,7 @@ _CLASS_WORDS = {
     "linker": ("undefined symbol",),
     "limits": ("pthread_create", "new thread", "to create", "Thread creation", "fork:", "open files"),
     "invalid": ("alue error", "validation error", ": error: "),
+    "model": ("not supported for now",),
     "quantization": ("current GPU",),
     "exit": ("sigquit", "to start", "initialization failed", "WorkerProc", "xit", "XIT", "died with", "Shard",
              "trying to connect", "fatal signal", "encountered an issue", "already dead", "has failed", "Engine failed",
