@@ -969,6 +969,6 @@ def scan(text):
         findings.append(f)
     result = {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines),
               "ended": ended_abnormally(lines)}
-    if newest_first(text.splitlines()[:5000]):
+    if newest_first(text[:400000].splitlines()):  # (the lines normalise() judged by)
         result["newest_first"] = True  # (read oldest first: its line numbers count from the oldest line)
     return result
