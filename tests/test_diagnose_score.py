@@ -1,6 +1,8 @@
 """The figures the README states for diagnose, recomputed on the real logs (tests/diagnose_score.py):
-today every failure log is found, named in its category and read to its root (but one whose
-excerpt stops before anything names the cause); no healthy log reports anything."""
+today every failure log is found and read to its root, and named in its category but for those
+whose excerpt stops before anything names the cause; no healthy log reports anything."""
+
+import pytest
 
 from diagnose_score import manifests, score
 
@@ -29,56 +31,27 @@ def test_every_real_failure_is_found_named_and_read_to_its_root():
     assert s["wrong_match"] == 0 and s["false_alarms"] == 0
 
 
-def test_the_blind_batch_is_counted_apart():
-    failures, healthy = manifests("blind-22")
-    assert len(failures) == 24 and len(healthy) == 9
+# Each blind batch today: (failures, healthy logs, (found, right category, logs with a category,
+# right root, logs with a root)). What each showed before its fixes, on the code with the
+# batches before it, is in the commit that added it and in the README: blind-22 22/24 found,
+# 16/23 category, 18/22 root; blind-1206 21/23, 11/23, 16/18 (3 wrong matches); blind2-1206
+# 21/21, 15/19, 15/18; blind3-1206 (SGLang) 14/15, 5/15, 9/11; blind4-1206 15/15, 8/13, 12/12
+# (1 wrong match); blind5-1206 13/14, 7/14, 7/9.
+BLIND_BATCHES = {
+    "blind-22": (24, 9, (24, 22, 23, 22, 22)),
+    "blind-1206": (23, 8, (23, 21, 23, 18, 18)),
+    "blind2-1206": (21, 6, (21, 18, 19, 18, 18)),
+    "blind3-1206": (15, 5, (15, 11, 15, 11, 11)),
+    "blind4-1206": (15, 6, (15, 12, 13, 12, 12)),
+    "blind5-1206": (14, 6, (14, 10, 14, 9, 9)),
+}
+
+
+@pytest.mark.parametrize("batch", list(BLIND_BATCHES))
+def test_each_blind_batch_is_counted_apart(batch):
+    n_failures, n_healthy, figures = BLIND_BATCHES[batch]
+    failures, healthy = manifests(batch)
+    assert len(failures) == n_failures and len(healthy) == n_healthy
     s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (24, 22, 23, 22, 22)
-    assert s["wrong_match"] == 0 and s["false_alarms"] == 0
-
-
-def test_the_second_blind_batch_is_counted_apart():
-    # collected 2026-12-06 (16 of its failures from vLLM threads); what it showed before the
-    # fixes is in the commit that added it: found 21/23, right category 11/23, right root 16/18
-    failures, healthy = manifests("blind-1206")
-    assert len(failures) == 23 and len(healthy) == 8
-    s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (23, 21, 23, 18, 18)
-    assert s["wrong_match"] == 0 and s["false_alarms"] == 0
-
-
-def test_the_third_blind_batch_is_counted_apart():
-    # before its fixes (on the code after blind-1206's): found 21/21, right category 15/19, right root 15/18
-    failures, healthy = manifests("blind2-1206")
-    assert len(failures) == 21 and len(healthy) == 6
-    s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (21, 18, 19, 18, 18)
-    assert s["wrong_match"] == 0 and s["false_alarms"] == 0
-
-
-def test_the_sglang_blind_batch_is_counted_apart():
-    # before its fixes (on the code after blind2-1206's): found 14/15, right category 5/15, right root 9/11
-    failures, healthy = manifests("blind3-1206")
-    assert len(failures) == 15 and len(healthy) == 5
-    s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (15, 11, 15, 11, 11)
-    assert s["wrong_match"] == 0 and s["false_alarms"] == 0
-
-
-def test_the_fourth_blind_batch_is_counted_apart():
-    # before its fixes (on the code after blind3-1206's): found 15/15, right category 8/13, right
-    # root 12/12, 1 wrong match (the JIT gcc build named as a dynamo failure)
-    failures, healthy = manifests("blind4-1206")
-    assert len(failures) == 15 and len(healthy) == 6
-    s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (15, 12, 13, 12, 12)
-    assert s["wrong_match"] == 0 and s["false_alarms"] == 0
-
-
-def test_the_fifth_blind_batch_is_counted_apart():
-    # before its fixes (on the code after blind4-1206's): found 13/14, right category 7/14, right root 7/9
-    failures, healthy = manifests("blind5-1206")
-    assert len(failures) == 14 and len(healthy) == 6
-    s = score(failures, healthy)
-    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == (14, 10, 14, 9, 9)
+    assert (s["found"], s["right_category"], s["with_category"], s["right_root"], s["with_root"]) == figures
     assert s["wrong_match"] == 0 and s["false_alarms"] == 0
