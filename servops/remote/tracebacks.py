@@ -727,6 +727,10 @@ def _new_failure(p):
     return f
 
 
+def _names_type(abort):
+    return bool(abort["type"]) and not abort["type"].startswith("terminate called")
+
+
 def _merge(f, p):
     k = p["kind"]
     if k == "python":
@@ -734,7 +738,10 @@ def _merge(f, p):
         if f["kind"] in ("errors", "cxx"):
             f["kind"] = "python"
     elif k == "abort":
-        f["abort"] = p
+        # a later `terminate called recursively` (another thread dying of the same abort) does not
+        # replace an abort that named its exception's type
+        if f["abort"] is None or not _names_type(f["abort"]) or _names_type(p):
+            f["abort"] = p
         if f["kind"] == "errors":
             f["kind"] = "abort"
     elif k == "fatal":
