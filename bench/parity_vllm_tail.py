@@ -39,25 +39,21 @@ HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("parity_vllm_bench", HERE / "parity_vllm_bench.py")
 parity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(parity)
+loadgen = parity.loadgen  # (servops.remote.loadgen, as the parity script imports it)
 
 SLOW = 1.4  # a request is slow above this multiple of the median TTFT (client's or server's own)
 WINDOW_S = 10.0
 SLOW_WINDOW = 1.2  # a window is slow where the engine's median step time is this far above its median
-HISTS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
 
 
-def server_sums(port: int) -> dict[str, float]:
+def server_snapshot(port: int) -> dict:
+    """The server's /metrics, parsed as servops' load generator parses it (its hist_delta reads
+    vLLM's histograms under the names it gives sglang's)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    sums = dict.fromkeys((f"{k}_{p}" for k in HISTS for p in ("sum", "count")), 0.0)
-    for line in text.splitlines():
-        for key, name in HISTS.items():
-            for part in ("sum", "count"):
-                if line.startswith(f"{name}_{part}{{") or line.startswith(f"{name}_{part} "):
-                    sums[f"{key}_{part}"] += float(line.rsplit(" ", 1)[1])
-    return sums
+    return loadgen.parse_prom(text)
 
 
 def one_request(port: int, model: str, rng: random.Random, vocab: int) -> tuple[float, list[float]]:
@@ -92,17 +88,18 @@ def measure(requests: int) -> list[dict]:
         rng = random.Random(1206)
         for _ in range(8):  # (warm-up, as both tools do)
             one_request(lab.port, str(lab.model), rng, vocab)
-        rows, before = [], server_sums(lab.port)
+        rows, before = [], server_snapshot(lab.port)
         for i in range(requests):
             sent, arrivals = one_request(lab.port, str(lab.model), rng, vocab)
-            after = server_sums(lab.port)
-            counts = {k: after[f"{k}_count"] - before[f"{k}_count"] for k in HISTS}
-            if counts["ttft"] != 1:
-                raise SystemExit(f"request {i}: the server's TTFT histogram counted {counts['ttft']} requests, not 1")
+            after = server_snapshot(lab.port)
+            ttft, itl = (loadgen.hist_delta(before, after, loadgen.HISTS[h]) for h in ("ttft", "itl"))
+            if ttft is None or ttft["count"] != 1:
+                raise SystemExit(f"request {i}: the server's TTFT histogram counted "
+                                 f"{ttft and ttft['count']} requests, not 1")
             rows.append({"i": i, "t": sent, "ttft_ms": (arrivals[0] - sent) * 1000,
                          "itl_ms": (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000,
-                         "server_ttft_ms": (after["ttft_sum"] - before["ttft_sum"]) * 1000,
-                         "server_itl_ms": (after["itl_sum"] - before["itl_sum"]) / max(1, counts["itl"]) * 1000})
+                         "server_ttft_ms": ttft["sum"] * 1000,
+                         "server_itl_ms": itl["sum"] / max(1, itl["count"]) * 1000})
             before = after
             if (i + 1) % 50 == 0:
                 print(f"  {i + 1}/{requests} requests", flush=True)
@@ -126,7 +123,7 @@ def attribute(rows: list[dict]) -> dict:
     return {"requests": len(rows), "median": med, "slow": slow, "server_side": server_side,
             "engine_slow": [r for r in server_side if r["server_itl_ms"] > SLOW_WINDOW * med["server_itl_ms"]],
             "windows": len(windows), "slow_windows": sorted(slow_windows),
-            "gap_median_ms": statistics.median(gaps), "gap_p99_ms": parity.loadgen.pct(gaps, 99)}
+            "gap_median_ms": statistics.median(gaps), "gap_p99_ms": loadgen.pct(gaps, 99)}
 
 
 def report(rows: list[dict]) -> None:
