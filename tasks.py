@@ -160,10 +160,15 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
 
     def op(hs):
         res = preflight.run_preflight(hs, patch)
+        for line in preflight.describe(patch, res):
+            console.print(f"{hs.host.name}: preflight {res['result']}: {hs.redactor(line)}", markup=False)
+        if res["result"] == "unproven":  # never a green that proved nothing
+            return FAILED, "preflight unproven (no GPU able to run the call site)"
+        if patch.preflight["check"] == "dynamo_call_site":
+            # --expect-fail: the pristine call site crashes; else the crash AND the fix must be shown
+            passed = (res["pristine"]["result"] == "unsupported") if expect_fail else res["result"] == "pass"
+            return (OK if passed else FAILED), f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
         passed = res["result"] == "pass"
-        text = (f"{patch.preflight['call']} compiles under torch.compile(fullgraph=True) (torch {res['torch']})"
-                if passed else f"{res['error_type']}: {res['message']}")
-        console.print(f"{hs.host.name}: preflight {res['result']}: {hs.redactor(text)}", markup=False)
         if passed != (not expect_fail):
             return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res['error_type']}")
         return OK, f"preflight {res['result']}" + (" (expected)" if expect_fail else "")

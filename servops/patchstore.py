@@ -24,7 +24,11 @@ from .schema import PATCH_META, load_mapping, read_text
 # Resolved from the checkout, not the working directory; SERVOPS_PATCHES points elsewhere.
 PATCH_ROOT = Path(os.environ.get("SERVOPS_PATCHES") or Path(__file__).resolve().parent.parent / "patches")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-PREFLIGHT_CHECKS = ("dynamo_fullgraph",)
+# dynamo_fullgraph: compile a call of the patched entry point (the flashinfer version query).
+# dynamo_call_site: compile the ENGINE's call site with the model's tensors, pristine and with the
+# fix set (this patch and its `with:` patches), on the host's GPU (servops/remote/preflight_dynamo.py).
+PREFLIGHT_CHECKS = ("dynamo_fullgraph", "dynamo_call_site")
+CALL_SITE_ARGS = ("block_fp8_linear",)
 
 
 class PatchError(ServopsError):
@@ -114,6 +118,12 @@ def load_patch(path: Path) -> Patch:
         for key in ("module", "call"):
             if not preflight.get(key):
                 raise PatchError(f"{meta_path}: 'preflight.{key}' is required")
+        args = preflight.get("args")
+        if preflight["check"] == "dynamo_call_site" and not (
+                args in CALL_SITE_ARGS or (isinstance(args, list) and all(
+                    isinstance(a, dict) and isinstance(a.get("shape"), list) for a in args))):
+            raise PatchError(f"{meta_path}: 'preflight.args' of a dynamo_call_site check is one of "
+                             f"{', '.join(CALL_SITE_ARGS)} or a list of {{shape: [..], dtype: ..}} tensors")
     return Patch(name=path.stem, distribution=dist, text=text, applies_to=spec, why=str(meta["why"]).strip(),
                  files=list(meta["files"]), strip=strip, preflight=preflight, path=path)
 

@@ -3,10 +3,17 @@
 `dynamo_fullgraph` compiles, with torch.compile(fullgraph=True), a function that calls the
 patched entry point (e.g. is_cuda_version_at_least("12.8")). On the pristine flashinfer file
 dynamo raises Unsupported (the nvcc subprocess); on the patched one it compiles and runs.
+
+`dynamo_call_site` compiles the ENGINE's call site, the function a capture crash's "from user
+code:" frames name (sglang's FP8 block-scale linear), with tensors of the model's real shapes on the
+host's GPU: pristine it must fail with dynamo's Unsupported, with the fix set (the patch and its
+`with:` patches, applied to copies, nothing on the host changed) it must compile AND give the eager
+result. Where that cannot run (no GPU, another GPU generation) the answer is "unproven", never a pass.
 """
 
 from __future__ import annotations
 
+from . import patchstore
 from .patchstore import Patch, PatchError
 from .remote_exec import run_program
 from .transport import HostSession
@@ -19,10 +26,54 @@ def host_env(hs: HostSession) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
+def fix_set(patch: Patch) -> list[Patch]:
+    """The patches a call-site proof applies together: the patch's `with:` list, then the patch."""
+    names = list((patch.preflight or {}).get("with") or [])
+    return [patchstore.find_patch(n) for n in names if n != patch.name] + [patch]
+
+
+def call_site_args(hs: HostSession, patch: Patch) -> dict:
+    pf = patch.preflight
+    return {"check": "dynamo_call_site", "module": pf["module"], "call": pf["call"], "args": pf.get("args"),
+            "backend": pf.get("backend", "eager"), "device": pf.get("device", "cuda"),
+            "model_path": hs.host.get("model_path"), "patches": [p.remote_spec() for p in fix_set(patch)]}
+
+
 def run_preflight(hs: HostSession, patch: Patch, timeout: int = 600) -> dict:
     if not patch.preflight:
         raise PatchError(f"patch {patch.name} has no 'preflight' in {patch.path.with_suffix('.yml')}")
     pf = patch.preflight
+    if pf["check"] == "dynamo_call_site":
+        return run_program(hs, "preflight_dynamo", call_site_args(hs, patch), env=host_env(hs), timeout=timeout)
     args = {"module": pf["module"], "call": pf["call"], "args": pf.get("args") or [],
             "backend": pf.get("backend", "eager")}
     return run_program(hs, "preflight_dynamo", args, env=host_env(hs), timeout=timeout)
+
+
+def _state_line(label: str, res: dict) -> str:
+    if res.get("result") == "pass":
+        cases = res.get("cases") or []
+        return f"{label}: compiles under torch.compile(fullgraph=True), equal to eager ({len(cases)} call(s))"
+    return f"{label}: {res.get('result')}: {res.get('error_type') or ''} {res.get('message') or ''}".rstrip()
+
+
+def describe(patch: Patch, res: dict) -> list[str]:
+    """What a preflight proved, as lines for people (the call site, each state, the shapes used)."""
+    pf = patch.preflight
+    if pf["check"] != "dynamo_call_site":
+        if res["result"] == "pass":
+            return [f"{pf['call']} compiles under torch.compile(fullgraph=True) (torch {res['torch']})"]
+        return [f"{res.get('error_type')}: {res.get('message')}"]
+    names = ", ".join(p.name for p in fix_set(patch))
+    fixed = res.get("fixed") or {}
+    lines = [f"call site {res.get('call_site')} on {fixed.get('device') or 'no GPU'} "
+             f"(torch {fixed.get('torch', '?')}); fix set: {names}",
+             _state_line("pristine", res.get("pristine") or {}),
+             _state_line("with the fix set", fixed)]
+    lines += [f"  shapes: {case['what']}" for case in fixed.get("cases") or []]
+    verdict = {"pass": "proven: pristine crashes as the server does, the fix set compiles and matches eager",
+               "unproven": "NOT proven on this host (see above): nothing was shown either way",
+               "not-needed": "pristine already compiles here: this host does not need the fix",
+               "fail": "the fix set does not make the call site compile cleanly"}
+    lines.append(verdict.get(res["result"], res["result"]))
+    return lines

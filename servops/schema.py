@@ -454,5 +454,7 @@ PATCH_META = {
     "preflight": Field("record", fields={
         "check": Field("str", pattern=NAME), "module": Field("str", pattern=MODULE, what="a module name"),
         "call": Field("str", pattern=re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), what="a function name"),
-        "args": Field("list", nullable=True), "backend": Field("str", pattern=NAME, what="a torch.compile backend")}),
+        "args": Field("any", nullable=True), "backend": Field("str", pattern=NAME, what="a torch.compile backend"),
+        "with": Field("list", nullable=True, items=Field("str", pattern=NAME)),
+        "device": Field("str", pattern=NAME, what="cuda or cpu")}),
 }
