@@ -172,7 +172,6 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
     variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
         hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
-    wanted = [] if skip_patches else list(variant["patches"])
     validate(variant, nodes, gate, push_url)
     per_node = node_args(variant, [hs.host for hs in nodes])
     phases = Phases(nodes[0].host.name, nodes[0].redactor)
@@ -184,6 +183,9 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
         phases.step("preflight", f"{hs.host.name}: {check.summary()}"
                     + "".join(f"; rule: {r}" for r in check.rules))
+        # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
+        wanted = [] if skip_patches else list(resolved.get("patches") or [])
+        prove_call_sites(hs, wanted, phases)
         prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
     same = [] if force or gate else [unchanged_release(hs, resolved, launch, wanted, actions)
                                      for hs, resolved, launch, actions in prepared]
@@ -209,6 +211,25 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         return _deploy_locked(prepared, locks, variant_name, phases, wanted, diff=diff, no_rollback=no_rollback,
                               keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url,
                               record=record if record is not None else {})
+
+
+def prove_call_sites(hs: HostSession, wanted: list[str], phases: Phases) -> None:
+    """Before anything stops: each patch of the set whose preflight compiles the engine's call site
+    (dynamo_call_site) is proven on the host's GPU with the whole set applied to copies. A fix set
+    that does not make the call site compile refuses the deploy; a host that cannot run the proof
+    (no GPU) says so and goes on: nothing was proven, and the line says that."""
+    from . import patchstore, preflight as patch_preflight
+
+    for name in wanted:
+        patch = patchstore.find_patch(name)
+        if not patch.preflight or patch.preflight["check"] != "dynamo_call_site":
+            continue
+        res = patch_preflight.run_preflight(hs, patch)
+        lines = patch_preflight.describe(patch, res)
+        phases.step("preflight", f"{hs.host.name}: " + "; ".join(lines))
+        if res["result"] == "fail":
+            raise DeployError(f"{hs.host.name}: the fix set does not make {res.get('call_site')} compile: "
+                              f"{lines[2]}; nothing was changed")
 
 
 def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, show_diff: bool) -> str:

@@ -54,7 +54,7 @@ _LISTS = ("patches", "crash_signatures")
 # else 1200 s (servops.bringup.health_timeout).
 DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
 ENGINE_KEYS = ("sglang", "vllm")  # the engines whose version a rule can key on (servops.engines)
-WHEN_KEYS = (*ENGINE_KEYS, "note", "refuse", "rename", "server_args", "env", "health")
+WHEN_KEYS = (*ENGINE_KEYS, "note", "refuse", "rename", "server_args", "env", "health", "patches")
 MAX_SPECIFIER_CHARS = 1000
 _WHEN_MAPS = ("server_args", "env", "health")
 
@@ -113,6 +113,11 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
         for key in _WHEN_MAPS:
             if key in rule and rule[key] is not None and not isinstance(rule[key], dict):
                 raise VariantError(f"{where}.{key}: must be a mapping")
+        patches = rule.get("patches")
+        if patches is not None and not (isinstance(patches, list) and all(
+                isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", p) for p in patches)):
+            raise VariantError(f"{where}.patches: a list of patch names (patches/<dist>/<name>.patch), "
+                               f"the fix set those releases need")
         rename = rule.get("rename")
         if rename is not None:
             if not isinstance(rename, dict) or not all(
@@ -122,8 +127,8 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
                                    f"{{cuda-graph-max-bs: cuda-graph-max-bs-decode}}")
         if "refuse" in rule and (not isinstance(rule["refuse"], str) or not rule["refuse"].strip()):
             raise VariantError(f"{where}.refuse: one line saying why the variant cannot run on those releases")
-        if not any(rule.get(k) for k in _WHEN_MAPS + ("rename", "refuse")):
-            raise VariantError(f"{where}: sets nothing; give rename, server_args, env, health or refuse")
+        if not any(rule.get(k) for k in _WHEN_MAPS + ("rename", "refuse", "patches")):
+            raise VariantError(f"{where}: sets nothing; give rename, server_args, env, health, patches or refuse")
         if "note" in rule and not isinstance(rule["note"], str):
             raise VariantError(f"{where}.note: must be text")
         rule = {k: v for k, v in rule.items() if k not in ENGINE_KEYS}
@@ -214,6 +219,7 @@ def describe_rule(rule: dict) -> str:
                 changes.append(f"+{prefix}{k}")
             else:
                 changes.append(f"+{prefix}{k}={v}")
+    changes += [f"+patch {p}" for p in rule.get("patches") or []]
     if rule.get("refuse"):
         changes.append(f"REFUSE: {rule['refuse']}")
     note = f" ({rule['note']})" if rule.get("note") else ""
@@ -253,6 +259,9 @@ def apply_rules(variant: dict, indexes: list[int]) -> tuple[dict, list[str]]:
                 args[rule["rename"].get(k, k)] = v
             out = dict(out, server_args=args)
         out = _merge(out, {k: rule[k] for k in _WHEN_MAPS if rule.get(k)})
+        if rule.get("patches"):  # the fix set those releases need, added to the variant's own
+            out = dict(out, patches=list(out.get("patches") or []) + [
+                p for p in rule["patches"] if p not in (out.get("patches") or [])])
         if rule.get("refuse"):  # the last refusing rule (a child's) says why
             out["refuse"] = " ".join(rule["refuse"].split())
         applied.append(describe_rule(rule))

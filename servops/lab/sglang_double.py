@@ -88,6 +88,7 @@ def _own_parser():
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true")
+    p.add_argument("--fp8-gemm-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=160)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -164,6 +165,7 @@ def parse_args(argv):
     args.node_rank = d.get("node_rank") or 0
     args.dist_init_addr = d.get("dist_init_addr")
     args.enable_piecewise_cuda_graph = _compiles_piecewise(d)
+    args.fp8_gemm_backend = d.get("fp8_gemm_backend") or "auto"
     args.cuda_graph_max_bs = d.get("cuda_graph_max_bs") or d.get("cuda_graph_max_bs_decode")
     args.enable_metrics = bool(d.get("enable_metrics"))
     args.enable_metrics_for_all_schedulers = bool(d.get("enable_metrics_for_all_schedulers"))
@@ -186,6 +188,63 @@ def import_without_package_init(modname: str):
             shell.__path__ = [os.path.join(site, *parts[:i])]
             sys.modules[pkg] = shell
     return importlib.import_module(modname)
+
+
+def fp8_call_is_opaque(sglang_package: str | None) -> bool:
+    """Does the host's sglang make FlashInfer's fp8_blockscale_gemm_sm90 an opaque custom op?
+    Read from the host's own fp8_utils.py, as the real server would run it: the function is a
+    decorated def (torch.library.custom_op or sglang's register_custom_op), not a bare import."""
+    import ast
+    if not sglang_package:
+        return False
+    path = os.path.join(sglang_package, "srt", "layers", "quantization", "fp8_utils.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name == "fp8_blockscale_gemm_sm90" and node.decorator_list
+               for node in ast.walk(tree))
+
+
+def capture_fp8_linear(opaque: bool) -> None:
+    """The FP8 block-scale linear sglang's piecewise capture compiles with --fp8-gemm-backend
+    flashinfer_deepgemm (sglang 0.5.17's fp8_utils.py -> FlashInfer's fp8_blockscale_gemm_sm90),
+    over the host's real FlashInfer files: kernel selection queries the CUDA version
+    (is_cuda_version_at_least), then the JIT loader loads the kernel module (JitSpec.build_and_load
+    of gen_fp8_blockscale_gemm_sm90_module), then the kernel runs. Bare, dynamo traces all of it and
+    stops at the first builtin it cannot trace, as on the H100 (bench/evidence/seed-sm90/); made an
+    opaque custom op by the host's sglang, dynamo never enters FlashInfer. This CPU stands in for the
+    GPU's kernel with a matmul."""
+    import torch
+
+    cpp_ext = import_without_package_init("flashinfer.jit.cpp_ext")
+    fp8_blockscale = import_without_package_init("flashinfer.jit.gemm.fp8_blockscale")
+
+    def flashinfer_fp8_blockscale_gemm_sm90(x, w):
+        if not cpp_ext.is_cuda_version_at_least("12.8"):
+            raise RuntimeError("fp8_blockscale_gemm_sm90 needs CUDA 12.8")
+        fp8_blockscale.gen_fp8_blockscale_gemm_sm90_module().build_and_load()  # the JIT loader
+        return x @ w.T
+
+    gemm = flashinfer_fp8_blockscale_gemm_sm90
+    if opaque:
+        @torch.library.custom_op("sglang_double::fp8_blockscale_gemm_sm90", mutates_args=(),
+                                 schema="(Tensor x, Tensor w) -> Tensor")
+        def gemm(x, w):
+            return x @ w.T
+
+        @gemm.register_fake
+        def _(x, w):
+            return x.new_empty((x.shape[0], w.shape[0]))
+
+    def fp8_linear(x, w):  # sglang: flashinfer_deepgemm_w8a8_block_fp8_linear_with_fallback
+        return gemm(x, w)
+
+    log("Capture piecewise cuda graph begin. This can take up to several minutes.")
+    compiled = torch.compile(fp8_linear, fullgraph=True, backend="eager")
+    compiled(torch.ones(4, 128), torch.ones(64, 128))
+    log("Capture piecewise cuda graph end.")
 
 
 def capture_piecewise_cuda_graph() -> None:
@@ -794,7 +853,9 @@ def main(argv=None):
     else:
         log(f"server_args (sglang {args.sglang_version}, {args.parser} parser): {args.launch_command}")
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
-    if args.enable_piecewise_cuda_graph:
+    if args.enable_piecewise_cuda_graph and getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm":
+        capture_fp8_linear(fp8_call_is_opaque(args.sglang_package))  # raises as the real server does
+    elif args.enable_piecewise_cuda_graph:
         capture_piecewise_cuda_graph()  # raises, with the real traceback, on an unpatched flashinfer
     load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
     if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
