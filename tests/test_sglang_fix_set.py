@@ -1,0 +1,38 @@
+"""The piecewise fix set per sglang release: the sglang patch flashinfer-fp8-blockscale-custom-op
+covers exactly the releases whose fp8_utils.py calls FlashInfer's fp8_blockscale_gemm_sm90 bare
+(bench/sglang_fp8_call_sweep.py reads each released wheel): there it applies with real patch(1) and
+no fuzz, removes the bare call, is refused a second time and reverts to the exact bytes; elsewhere it
+is outside applies_to ("version does not match"). And the piecewise variant resolves the set."""
+
+import pytest
+
+from conftest import bench_script
+from servops.playbooks import load_variant, resolve
+
+sweep = bench_script("sglang_fp8_call_sweep")
+FIRST_BARE = "0.5.9"  # read from the wheels: 0.5.5-0.5.8 have no such call
+
+
+@pytest.mark.parametrize("version", sweep.RELEASES)
+def test_the_sglang_patch_covers_exactly_the_releases_with_the_bare_call(version):
+    row = sweep.check_release(version)
+    if not row["cached"]:
+        pytest.skip(f"sglang {version}: not cached and the download failed (offline?)")
+    from packaging.version import Version
+    assert row["bare"] == (Version(version) >= Version(FIRST_BARE)), row
+    assert row["in_applies_to"] == row["bare"], row
+    if row["bare"]:
+        assert row["applies"] and row["fixed"] and row["reapply_refused"] and row["reverts_exactly"], row
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("0.5.8", ["cuda-version-no-subprocess"]),
+    ("0.5.9", ["cuda-version-no-subprocess", "flashinfer-fp8-blockscale-custom-op"]),
+    ("0.5.17", ["cuda-version-no-subprocess", "flashinfer-fp8-blockscale-custom-op"]),
+    ("0.5.21", ["cuda-version-no-subprocess", "flashinfer-fp8-blockscale-custom-op"]),
+    ("0.5.22", ["cuda-version-no-subprocess"]),  # no dynamo capture there: the breakable prefill graph
+])
+def test_piecewise_resolves_the_fix_set_of_each_release(version, expected):
+    resolved, rules = resolve(load_variant("piecewise"), version)
+    assert resolved["patches"] == expected
+    assert any("+patch flashinfer-fp8-blockscale-custom-op" in r for r in rules) == (len(expected) == 2)
