@@ -12,7 +12,7 @@ try:
 
     from servops import cliparse
     from servops.cli import VerbRun, on_hosts, select, select_one, servops_task
-    from servops.output import CHANGED, FAILED, OK, console, json_text
+    from servops.output import CHANGED, FAILED, OK, RESTORED, console, json_text
 except ImportError as exc:  # not installed: one line, not a traceback
     sys.stderr.write(f"error: servops cannot load ({exc}); run `bash scripts/setup.sh`, then `. .venv/bin/activate`\n")
     sys.exit(2)
@@ -291,7 +291,8 @@ def bench(c, levels="1,10,256,1024", requests=0, input_len=128, output_len=128, 
         if not result["complete"]:
             done = sum(l["completed"] for l in result["levels"])
             failed = sum(l["failed"] for l in result["levels"])
-            return FAILED, f"incomplete: {done} requests done, {failed} failed; partial results in {result['path']}"
+            # a bench changes nothing on the host: its failure is "failed, host as before" (exit 4), not bad input
+            return RESTORED, f"incomplete: {done} requests done, {failed} failed; partial results in {result['path']}"
         return OK, f"saved {result['path']}"
 
     return on_hosts(inventory, hosts, op, parallel=1).recap

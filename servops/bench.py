@@ -312,7 +312,7 @@ def finish(result: dict, expected_levels: list[int] | None = None, repeat: int =
                             "the prefix cache was not flushed")
         warm = r.get("warmup") or {}
         if warm.get("error"):
-            warnings.append(f"level {r['concurrency']}: warmup failed ({warm['error'][:160]}); level not run")
+            warnings.append(f"level {r['concurrency']}: warmup failed ({warm['error'][:500]}); level not run")
         elif warm.get("converged") is False:
             warnings.append(f"level {r['concurrency']}: the warm-up did not settle ({warm.get('why')}; mean TTFT per "
                             f"wave {warm_ttfts(warm)} ms): its first requests may still pay for compilation")

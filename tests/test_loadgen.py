@@ -346,7 +346,22 @@ def test_a_stream_of_only_empty_text_is_ok_where_empty_text_is_a_token():
         for i, piece in enumerate(vllm_stream([""] * 16)):
             acc.feed(0.01 * i, piece)
         rec = acc.finish()
-        assert rec["ok"] is ok and (ok or rec["error"] == "no tokens streamed")
+        assert rec["ok"] is ok and (ok or rec["error"].startswith("no tokens streamed; HTTP 200, the server sent: "))
+
+
+def test_a_request_without_tokens_shows_the_servers_own_reply():
+    """Never only "no tokens streamed": what the server answered (bounded) says why."""
+    rec = loadgen.new_record({"prompt_len": 32})
+    acc = loadgen.Generate(rec, 16)
+    acc.feed(0.01, b'data: {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": '
+                   b'"NaN in logits"}, "completion_tokens": 0}}\n\n' + b"data: [DONE]\n\n")
+    rec = acc.finish()
+    assert not rec["ok"]
+    assert "NaN in logits" in rec["error"] and "HTTP 200" in rec["error"]
+    big = loadgen.new_record({"prompt_len": 32})
+    acc = loadgen.Generate(big, 16)
+    acc.feed(0.01, b": " + b"x" * 100_000 + b"\n\n")
+    assert len(acc.finish()["error"]) < 600  # bounded
 
 
 def test_the_server_monitor_stops_even_when_its_cancel_is_swallowed():

@@ -274,6 +274,8 @@ STREAM_MARGIN = 64 << 10
 MAX_STREAM_BYTES = 64 << 20
 KEPT_TEXT_CHARS = 1000
 ERROR_BODY_BYTES = 4096
+REPLY_KEPT_BYTES = 2048  # of a 200 answer, kept until its first token
+REPLY_SHOWN_CHARS = 400
 
 
 class StreamError(Exception):
@@ -350,8 +352,11 @@ class _Stream:
         self.events = SseEvents(self.limit)
         self.keep = None if keep_text else KEPT_TEXT_CHARS
         self.last = None
+        self.reply = b""
 
     def feed(self, t, piece):
+        if len(self.reply) < REPLY_KEPT_BYTES:  # what the server said, for a request that gets no token
+            self.reply += piece[:REPLY_KEPT_BYTES - len(self.reply)]
         for obj in self.events.feed(piece):
             self.event(t, obj)
 
@@ -430,7 +435,7 @@ class Completion(_Stream):
             rec["output_len"], rec["usage_source"] = n, "usage"
             prompt = usage.get("prompt_tokens")
             rec["server_prompt_tokens"] = None if prompt is None else self.count(prompt, "usage.prompt_tokens", False)
-        return finish_record(rec, self.chunks)
+        return finish_record(rec, self.chunks, self.reply)
 
 
 class Generate(_Stream):
@@ -477,7 +482,7 @@ class Generate(_Stream):
         rec["text"] = [self.text]
         rec["output_len"] = self.out_len
         rec["usage_source"] = "meta_info"
-        return finish_record(rec, self.out_len)
+        return finish_record(rec, self.out_len, self.reply)
 
 
 def new_record(req):
@@ -517,11 +522,14 @@ async def post_stream(session, url, payload, rec, account):
         rec["error"] = "HTTP %s: %s" % (status, error[:ERROR_BODY_BYTES].decode("utf-8", "replace").strip()[:300])
 
 
-def finish_record(rec, produced):
+def finish_record(rec, produced, reply=b""):
     if not rec["error"]:
         rec["ok"] = produced > 0
         if not rec["ok"]:
-            rec["error"] = "no tokens streamed"
+            # never only "no tokens": the server's own answer (HTTP 200, bounded) says why
+            said = reply.decode("utf-8", "replace").strip()
+            rec["error"] = "no tokens streamed; HTTP 200, the server sent: %s" % (
+                json.dumps(said[:REPLY_SHOWN_CHARS]) if said else "nothing (an empty body)")
     return rec
 
 
