@@ -165,7 +165,7 @@ def parse_args(argv):
     args.node_rank = d.get("node_rank") or 0
     args.dist_init_addr = d.get("dist_init_addr")
     args.enable_piecewise_cuda_graph = _compiles_piecewise(d)
-    args.fp8_gemm_backend = d.get("fp8_gemm_backend") or "auto"
+    args.fp8_gemm_backend = d.get("fp8_gemm_runner_backend") or d.get("fp8_gemm_backend") or "auto"  # dest varies
     args.cuda_graph_max_bs = d.get("cuda_graph_max_bs") or d.get("cuda_graph_max_bs_decode")
     args.enable_metrics = bool(d.get("enable_metrics"))
     args.enable_metrics_for_all_schedulers = bool(d.get("enable_metrics_for_all_schedulers"))
