@@ -389,17 +389,15 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
     if outcome["state"] == "healthy":
         for n in nodes:
             prev = previous[n.hs.host.name]
-            done = releases.batch(n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep",
-                                  "who": operator()},
-                           {"op": "mark", "name": n.name,
-                                  "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
-                                  "journal": {"action": verb, "who": operator(), "release": n.name,
-                                              "variant": variant_name, "outcome": "healthy",
-                                              "detail": outcome["reason"], "previous": prev}},
-                           {"op": "disarm", "name": n.name},
-                           {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
-            if done[-1].get("skipped"):  # a damaged pins.json: nothing pruned
-                phases.step("warning", f"{n.hs.host.name}: {done[-1]['skipped']}")
+            results = releases.batch(
+                n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep", "who": operator()},
+                {"op": "mark", "name": n.name, "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
+                 "journal": {"action": verb, "who": operator(), "release": n.name, "variant": variant_name,
+                             "outcome": "healthy", "detail": outcome["reason"], "previous": prev}},
+                {"op": "disarm", "name": n.name},
+                {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
+            if results[-1].get("skipped"):  # a damaged pins.json: nothing pruned
+                phases.step("warning", f"{n.hs.host.name}: {results[-1]['skipped']}")
         extra = f"; patches: {', '.join(changes)}" if changes else ""
         ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
         phases.step("done", f"{n0.name} healthy in {outcome['elapsed']:.1f}s: {outcome['reason']}")

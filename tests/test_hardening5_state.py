@@ -184,8 +184,9 @@ def test_8_the_default_study_path_keeps_a_symlink_in_sight(tmp_path):
 
 # ---- 10. ranges the sampler cannot represent: refused before any host --------------------------------
 
-@pytest.mark.parametrize("axis", ["{low: -1.0e+308, high: 1.0e+308}", "{low: 9223372036854775808, high: 9223372036854775813}",
-                                  "{low: 0, high: 1000000000000000000000000000000}"])
+@pytest.mark.parametrize("axis", ["{low: -1.0e+308, high: 1.0e+308}",
+                                  "{low: 9223372036854775808, high: 9223372036854775813}",   # 2**63 ...
+                                  "{low: 0, high: 1000000000000000000000000000000}"])       # 10**30, integers
 def test_10_a_range_beyond_the_sampler_is_one_line_before_any_host(lab, tmp_path, axis):
     (tmp_path / "camps").mkdir()
     (tmp_path / "camps" / "wide.yml").write_text(
@@ -203,7 +204,8 @@ def test_10_a_range_beyond_the_sampler_is_one_line_before_any_host(lab, tmp_path
 def test_11_persist_beyond_a_day_is_one_line(lab):
     res = run_invoke("status", "-H", "lab1", inventory=lab.inventory(),
                      env={"SERVOPS_PERSIST": str(10 ** 30)})
-    assert res.returncode == 2 and "SERVOPS_PERSIST" in res.stdout + res.stderr and "at most 24h" in res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "SERVOPS_PERSIST" in out and "at most 24h" in out, out
     inv = lab.inventory(host_vars={"lab1": {"persist": "25h"}}, filename="long.yml")
     one_line_error(run_invoke("status", "-H", "lab1", inventory=inv), "persist", "at most 24h")
     assert run_invoke("status", "-H", "lab1", inventory=lab.inventory(),
