@@ -73,6 +73,23 @@ def test_5_ctrl_c_during_a_restarts_health_gate_brings_back_the_same_release(ala
     assert last["release"] == b and last["outcome"] == "healthy" and "Ctrl-C during health" in last["detail"]
 
 
+def test_5_only_a_release_that_cannot_come_back_falls_back_to_the_previous_one(alab, tmp_path):
+    """B never gets healthy (left current with --no-rollback): Ctrl-C during its restart tries B
+    again first, and only then rolls back to A."""
+    lab, inv, port = alab
+    books = playbooks_with(tmp_path, sick="extends: baseline\nenv: {SGLANG_DOUBLE_NEVER_HEALTHY: '1'}\n"
+                                          "health: {timeout: 6}\n")
+    env = {"SERVOPS_PLAYBOOKS": str(books)}
+    assert run_invoke("deploy", "--variant", "baseline", inventory=inv, env=env).returncode == 0
+    a = current(lab)
+    assert run_invoke("deploy", "--variant", "sick", "--no-rollback", inventory=inv, env=env).returncode == 5
+    b = current(lab)
+    code, out = restart_then_ctrl_c(inv, books)
+    assert code == 130, out
+    assert f"a restart keeps {b}; bringing it back up" in out and f"rolled back to {a}" in out, out
+    assert current(lab) == a and healthy(port)
+
+
 # ---- 6. a torn pins.json stops pruning ---------------------------------------------------------------
 
 def test_6_a_torn_pin_file_is_named_and_prunes_nothing(alab):
