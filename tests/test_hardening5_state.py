@@ -168,6 +168,30 @@ def test_7_the_storage_error_line_holds_no_credential(lab, tmp_path, postgres): 
     assert not (tmp_path / "results").exists()  # refused before any host was touched
 
 
+def test_7_a_campaign_on_a_password_url_never_prints_or_writes_it(alab, tmp_path, postgres):  # noqa: F811
+    """A real campaign on the real PostgreSQL (trust auth: the password is carried, not checked):
+    its lines, trials.jsonl, bench results and report hold the URL masked, never a credential."""
+    lab, inv, _port = alab
+    (tmp_path / "camps").mkdir()
+    search_campaign(tmp_path, "r5", "random", max_trials=1)
+    results = tmp_path / "results"
+    env = {"SERVOPS_CAMPAIGNS": str(tmp_path / "camps"), "SERVOPS_RESULTS": str(results),
+           "SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, tbase=TBASE))}
+    user, rest = postgres.split("://", 1)[1].split("@", 1)
+    url = f"postgresql://{user}:userpw-r5@{rest}?sslpassword=sslpw-r5"
+    res = run_invoke("tune", "r5", "-H", "lab1", "--storage", url, inventory=inv, env=env, timeout=900)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert f"in postgresql://{user}:***@{rest}?sslpassword=***" in out
+    report = run_invoke("tune.report", "r5", "-H", "lab1", inventory=inv, env=env)
+    assert report.returncode == 0, report.stdout + report.stderr
+    out += report.stdout + report.stderr
+    written = [p for p in results.rglob("*") if p.is_file()]
+    assert {"trials.jsonl", "report.md"} <= {p.name for p in written}, written
+    for text in [out] + [p.read_text(errors="replace") for p in written]:
+        assert "userpw-r5" not in text and "sslpw-r5" not in text
+
+
 # ---- 8. a symlinked study.db is refused -----------------------------------------------------------
 
 def test_8_a_study_file_that_is_a_symlink_is_refused_given_or_default(lab, tmp_path):
