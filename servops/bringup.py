@@ -153,10 +153,12 @@ def stop_lines(res: dict) -> list[str]:
     return lines
 
 
-def bring_up(nodes: list[Node], phases: Phases, label: str, owner: dict | None = None) -> dict:
-    """Stop, switch, start, health-gate rank 0; other ranks of a multi-node server have no HTTP
-    endpoint of their own and must merely still be running."""
-    stop_switch_start(nodes, phases, owner)
+def bring_up(nodes: list[Node], phases: Phases, label: str, owner: dict | None = None,
+             started: bool = False) -> dict:
+    """Stop, switch, start (unless already `started`), health-gate rank 0; other ranks of a
+    multi-node server have no HTTP endpoint of their own and must merely still be running."""
+    if not started:
+        stop_switch_start(nodes, phases, owner)
     outcome = health_gate(nodes[0], phases, label)
     if outcome["state"] == "healthy":
         for n in nodes[1:]:

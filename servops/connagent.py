@@ -98,9 +98,8 @@ def effective_persist(host: Host) -> float:
         return host.persist
     try:
         return persist_seconds(override)
-    except ServopsError:
-        raise InventoryError(f"SERVOPS_PERSIST {override!r}: expected a duration like 10m, 30s or 1h, "
-                             f"or 0 (no persistent connections)") from None
+    except ServopsError as exc:
+        raise InventoryError(f"SERVOPS_PERSIST {override!r}: {exc}") from None
 
 
 def _abspath(path: str | None, base: str) -> str | None:

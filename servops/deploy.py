@@ -328,9 +328,11 @@ def _bring_up_and_conclude(nodes: list[Node], keeper: LeaseKeeper, phases: Phase
     n0 = nodes[0]
     hs0 = n0.hs
     record = record if record is not None else {}
+    owner = {"name": n0.name, "id": n0.extra["lock_id"]}
+    during, interrupted_in = f"the rollback of {n0.name}", None  # what a second Ctrl-C interrupts; where the first did
     try:
         try:
-            outcome = bring_up(nodes, phases, n0.name, owner={"name": n0.name, "id": n0.extra["lock_id"]})
+            outcome = bring_up(nodes, phases, n0.name, owner=owner)
             if outcome["state"] == "healthy" and gate:
                 phases.step("gate", "bench at " + ", ".join(str(l) for l in sorted({c.level for c in gate})))
                 outcome = _metric_gate(hs0, gate, bench_opts or {}, outcome)
@@ -338,11 +340,19 @@ def _bring_up_and_conclude(nodes: list[Node], keeper: LeaseKeeper, phases: Phase
                 _push_event(push_url, hs0, variant_name, n0.name, outcome)
         except KeyboardInterrupt:
             interrupt.request()
-            outcome = {"state": "interrupted", "reason": f"Ctrl-C during {phases.current}", "excerpt": []}
+            interrupted_in = phases.current or verb
+            outcome = {"state": "interrupted", "reason": f"Ctrl-C during {interrupted_in}", "excerpt": []}
         except releases.GuardTookOver as took:
             return ATTENTION, str(took)
         except Exception as exc:  # noqa: BLE001 - a failure after stop must still roll back
             outcome = {"state": "failed", "reason": f"{phases.current}: {exc}", "excerpt": []}
+        if interrupted_in and verb != "deploy":
+            during = f"bringing {n0.name} back up"
+            try:
+                outcome = _bring_back(nodes, phases, verb, owner, interrupted_in)
+            except releases.GuardTookOver as took:
+                return ATTENTION, str(took)
+            during = f"the rollback of {n0.name}"
         record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
                       elapsed=outcome.get("elapsed"), log=outcome.get("log"))
         with interrupt.handling():
@@ -351,10 +361,28 @@ def _bring_up_and_conclude(nodes: list[Node], keeper: LeaseKeeper, phases: Phase
             except releases.GuardTookOver as took:
                 return ATTENTION, str(took)
     except KeyboardInterrupt:  # a second Ctrl-C, during the rollback: leave, say where things stand
-        return ATTENTION, (f"interrupted during the rollback of {n0.name}; the host may have no server: "
+        return ATTENTION, (f"interrupted during {during}; the host may have no server: "
                            f"run `invoke status -H {hs0.host.name}`, then `invoke rollback -H {hs0.host.name}`")
     finally:
         keeper.stop()  # the release is marked by now: its guard has stood down
+
+
+def _bring_back(nodes: list[Node], phases: Phases, verb: str, owner: dict, interrupted_in: str) -> dict:
+    """Ctrl-C during a start or restart: the release that was current comes back up, the same one
+    (rolling back to an older one would change what serves, and with none older leave the host
+    down). Only when it cannot come up does the caller's rollback follow. Interrupted during the
+    health gate its server is already starting: the gate is waited again, nothing restarted twice."""
+    n0 = nodes[0]
+    why = f"Ctrl-C during {interrupted_in}"
+    phases.step("interrupt", f"{why}: a {verb} keeps {n0.name}; bringing it back up (Ctrl-C again to stop waiting)")
+    with interrupt.handling():
+        try:
+            outcome = bring_up(nodes, phases, n0.name, owner=owner, started=interrupted_in == "health")
+        except releases.GuardTookOver:
+            raise
+        except Exception as exc:  # noqa: BLE001 - it cannot come up: the rollback decides
+            return {"state": "failed", "reason": f"{why}, then bringing {n0.name} back: {exc}", "excerpt": []}
+    return dict(outcome, reason=f"{why}, then {outcome['reason']}")
 
 
 def _push_event(url: str, hs: HostSession, variant_name: str, release: str, outcome: dict) -> None:
@@ -382,15 +410,15 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
     if outcome["state"] == "healthy":
         for n in nodes:
             prev = previous[n.hs.host.name]
-            releases.batch(n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep",
-                                  "who": operator()},
-                           {"op": "mark", "name": n.name,
-                                  "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
-                                  "journal": {"action": verb, "who": operator(), "release": n.name,
-                                              "variant": variant_name, "outcome": "healthy",
-                                              "detail": outcome["reason"], "previous": prev}},
-                           {"op": "disarm", "name": n.name},
-                           {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
+            results = releases.batch(
+                n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep", "who": operator()},
+                {"op": "mark", "name": n.name, "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
+                 "journal": {"action": verb, "who": operator(), "release": n.name, "variant": variant_name,
+                             "outcome": "healthy", "detail": outcome["reason"], "previous": prev}},
+                {"op": "disarm", "name": n.name},
+                {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
+            if results[-1].get("skipped"):  # a damaged pins.json: nothing pruned
+                phases.step("warning", f"{n.hs.host.name}: {results[-1]['skipped']}")
         extra = f"; patches: {', '.join(changes)}" if changes else ""
         ranks = f" on {len(nodes)} nodes" if len(nodes) > 1 else ""
         phases.step("done", f"{n0.name} healthy in {outcome['elapsed']:.1f}s: {outcome['reason']}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import releases
-from .output import CHANGED, EXIT_NOTHING, OK, Failed, console, print_table, table
+from .output import CHANGED, EXIT_NOTHING, OK, Failed, console, err_console, print_table, table
 from .transport import HostSession
 
 
@@ -105,6 +105,9 @@ def list_releases(hs: HostSession) -> tuple[str, str, dict]:
 def print_releases(listings: dict) -> None:
     t = table("releases", ["host", "release", "variant", "status", "patches", "created", "kept because"])
     for host, state in listings.items():
+        if state.get("pins_damaged"):
+            err_console.print(f"{host}: warning: {state['pins_damaged']}: its pins are not shown, and nothing "
+                              f"is pruned until it is fixed or removed", markup=False)
         kept = state.get("protected") or {}
         for r in state["releases"]:
             t.add_row(host, r["name"], r.get("variant", "-"), r.get("status", "-"),
@@ -149,8 +152,6 @@ def print_command(host: str, out: dict) -> None:
 def history(hs: HostSession, last: int) -> tuple[str, str, list]:
     """The host's journal; what the host could not vouch for (damaged lines skipped, a broken
     chain, entries cut off its end) goes to stderr as warnings, never silently."""
-    from .output import err_console
-
     res = releases.ctl(hs, "journal", last=last)
     entries = [{k: (hs.redactor(v) if isinstance(v, str) else v) for k, v in e.items()} for e in res["entries"]]
     problems = [str(p) for p in res.get("problems") or []]

@@ -162,6 +162,7 @@ def seconds(value: Any) -> float:
 
 
 DEFAULT_PERSIST = 600.0
+MAX_PERSIST = 24 * 3600.0  # an agent that never idles out keeps a logged-in connection for ever
 _PERSIST_EXPECTED = "expected a duration like 10m, 30s or 1h30m, seconds, or 0/false (no persistent connection)"
 
 
@@ -180,14 +181,16 @@ def persist_seconds(value: Any) -> float:
         return 0.0
     if parse_duration(value) or seconds(value) == float("inf"):
         raise SchemaError(_PERSIST_EXPECTED)
+    if seconds(value) > MAX_PERSIST:
+        raise SchemaError("at most 24h (an agent that never idles out keeps its connection for ever)")
     return seconds(value)
 
 
 def _persist_problem(value: Any) -> str | None:
     try:
         persist_seconds(value)
-    except SchemaError:
-        return _PERSIST_EXPECTED
+    except SchemaError as exc:
+        return str(exc)
     return None
 
 

@@ -30,6 +30,10 @@ from typing import Any
 SEARCHES = ("grid", "random", "tpe")
 RANGE_KEYS = ("low", "high", "step", "log")
 MAX_RANGE_POINTS = 10_000
+# What Optuna's samplers represent: integers as floats (exact up to 2**53; 2**63 overflows numpy's
+# int64), and TPE squares a float range's width (1e308 overflows; 1e150 is its edge).
+MAX_INT_RANGE = 2 ** 53
+MAX_FLOAT_RANGE = 1e100
 # metrics that only get worse as concurrency grows: a bound violated at a lower level stays violated
 MONOTONE_WORSE = ("ttft", "tpot", "itl", "e2e", "error_rate")
 
@@ -59,6 +63,12 @@ def axis_problem(value: Any) -> str | None:
         if not _is_num(value[k]):
             return f"{k}: expected a number"
     low, high, step, log = value["low"], value["high"], value.get("step"), value.get("log", False)
+    integer = isinstance(low, int) and isinstance(high, int) and (step is None or isinstance(step, int))
+    bound = MAX_INT_RANGE if integer else MAX_FLOAT_RANGE
+    for k in ("low", "high"):
+        if abs(value[k]) > bound:
+            return (f"{k}: {value[k]:.6g} is beyond what the sampler represents (integers within ±2**53, "
+                    f"decimals within ±1e100)")
     if low > high:
         return f"low {low} is above high {high}"
     if not isinstance(log, bool):

@@ -12,11 +12,13 @@ GRACE_S (Optuna's stale-trial check).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
 
 from .errors import ServopsError
+from .redact import MASK, remember
 
 HEARTBEAT_S = 20
 GRACE_S = 120
@@ -27,20 +29,83 @@ class StudyError(ServopsError):
     pass
 
 
+# A URL's query keys that carry a credential (libpq's password, sslpassword; MySQL's passwd; a
+# token): their values are masked wherever the URL is shown.
+_SECRET_QUERY = re.compile(r"([?&;][^=&;#]*(?:pass|pwd|secret|token)[^=&;#]*=)[^&;#]*", re.IGNORECASE)
+# Variables the database clients read a password from when the URL has none.
+PASSWORD_ENV = ("PGPASSWORD", "MYSQL_PWD")
+
+
 def check_url(url: str) -> str:
     """--storage URL: one of the database kinds Optuna's RDB storage takes (a bad one: one line)."""
     if not URL.fullmatch(url or ""):
         raise StudyError(f"--storage {_shown(url)!r}: expected a database URL like postgresql://user@host/db or "
                          "sqlite:///path/study.db")
+    userinfo = url[url.index("://") + 3:max(_userinfo_end(url), 0)]
+    if "@" in userinfo.partition(":")[2]:
+        # SQLAlchemy ends the password at its first @ and would send the rest to a host named by its tail
+        raise StudyError(f"--storage {_shown(url)!r}: the password holds a raw '@': write it as %40")
     return url
 
 
+def _userinfo_end(url: str) -> int:
+    """Where a URL's userinfo ends: its LAST @ (a raw @ in a password must not show the tail)."""
+    start = url.find("://")
+    return url.rfind("@") if start >= 0 and url.rfind("@") > start else -1
+
+
 def _shown(url: str) -> str:
-    return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url or "")
+    """The URL with every credential masked: the userinfo's password (up to the last @) and the
+    query's password-like values."""
+    url = url or ""
+    end = _userinfo_end(url)
+    if end >= 0:
+        start = url.index("://") + 3
+        user, sep, _password = url[start:end].partition(":")
+        url = url[:start] + user + (":***" if sep else "") + url[end:]
+    return _SECRET_QUERY.sub(r"\1***", url)
+
+
+def url_secrets(url: str) -> set[str]:
+    """The credentials a URL carries (as written and percent-decoded), and the password variables
+    its client would read: what every printed line and written file masks."""
+    from urllib.parse import unquote
+
+    found = set()
+    end = _userinfo_end(url or "")
+    if end >= 0:
+        _user, sep, password = url[url.index("://") + 3:end].partition(":")
+        if sep and password:
+            found |= {password, unquote(password)}
+    for m in _SECRET_QUERY.finditer(url or ""):
+        value = url[m.end(1):m.end()]
+        if value:
+            found |= {value, unquote(value)}
+    found |= {os.environ[k] for k in PASSWORD_ENV if os.environ.get(k)}
+    return found
+
+
+def mask(url: str, text: str) -> str:
+    """`text` (a library's error, a status line) with the URL shown masked and its secrets gone."""
+    text = text.replace(url, _shown(url)) if url else text
+    for secret in sorted((s for s in url_secrets(url) if len(s) >= 4), key=len, reverse=True):  # as Redactor
+        text = text.replace(secret, MASK)
+    return text
+
+
+def refuse_symlink(url: str) -> None:
+    """An SQLite study file that is a symlink is refused, as trials.jsonl's is: SQLite would
+    create or write the file it points to, wherever that is."""
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):].split("?", 1)[0]
+        if path and os.path.islink(path):
+            raise StudyError(f"{path} is a symlink (to {os.readlink(path)}); servops does not write through it: "
+                             f"remove it")
 
 
 def default_url(directory: Path) -> str:
-    return f"sqlite:///{(directory / 'study.db').resolve()}"
+    # absolute, not resolved: a symlink at study.db must be seen (and refused), not followed
+    return f"sqlite:///{directory.absolute() / 'study.db'}"
 
 
 def quiet() -> None:
@@ -91,6 +156,8 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
 
     optuna.logging.set_verbosity(logging.WARNING)
     quiet()
+    refuse_symlink(url)
+    remember(url_secrets(url))  # whatever servops prints from here on masks them
     engine_url = url
     if url.startswith("postgresql://"):  # SQLAlchemy 2.1 defaults to psycopg 3; the dependency is psycopg2
         engine_url = "postgresql+psycopg2://" + url[len("postgresql://"):]
@@ -100,17 +167,17 @@ def open_study(name: str, url: str, strategy: str, direction: str, seed: int | N
                                                  heartbeat_stale_trial_callback=reclaim)
             break
         except ImportError as exc:
-            raise StudyError(f"storage {_shown(url)}: {exc}") from None
+            raise StudyError(f"storage {_shown(url)}: {mask(url, str(exc))}") from None
         except Exception as exc:  # a refused connection, a bad path -- or two controllers creating the tables at once
             if attempt == 3:
-                raise StudyError(f"storage {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+                raise StudyError(f"storage {_shown(url)}: {mask(url, str(exc).splitlines()[0])[:200]}") from None
             time.sleep(1 + attempt)
     sampler = make_sampler(strategy, seed, n_trials_hint)
     try:
         study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction=direction,
                                     load_if_exists=True)
     except Exception as exc:
-        raise StudyError(f"study {name} in {_shown(url)}: {str(exc).splitlines()[0][:200]}") from None
+        raise StudyError(f"study {name} in {_shown(url)}: {mask(url, str(exc).splitlines()[0])[:200]}") from None
     if study.direction.name.lower() != direction:
         raise StudyError(f"study {name} in {_shown(url)} is to {study.direction.name.lower()}, the campaign's "
                          f"objective to {direction}: give another --storage, or --restart")

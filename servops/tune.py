@@ -400,6 +400,7 @@ class Runner:
                 self.storage_url = storage or studymod.default_url(self.path.parent)
                 self.study, self.storage = studymod.open_study(camp.name, self.storage_url, camp.search,
                                                                camp.objective.sense, camp.seed, camp.max_trials)
+            hs.redactor.add(studymod.url_secrets(self.storage_url))  # trials.jsonl, the journal, the report
             self.id_width = max(self.id_width, 12)
             self._rebuild_search_trials()
         fixed = {t.id for t in self.trials}   # the fixed trials this host ran (the study counts its own)

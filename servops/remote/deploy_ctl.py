@@ -227,7 +227,7 @@ def op_releases():
     leftovers = [] if server else [{"pid": p, "name": f.get("name"), "release": f.get("release")}
                                    for p, f in sorted(release_tree().items())]
     return {"root": ROOT, "current": current_name(), "releases": list_releases(), "server": server,
-            "leftovers": leftovers, "unfinished": UNFINISHED, "protected": protected()}
+            "leftovers": leftovers, "unfinished": UNFINISHED, "protected": protected(), "pins_damaged": pins_damaged()}
 
 
 def op_prepare():
@@ -927,8 +927,20 @@ def op_follow():
     return {}
 
 
+def pins_damaged():
+    """Why pins.json cannot be read (torn, not an object, a symlink...), or None: intact or absent.
+    A damaged pin file must never read as "no pins": the next prune would remove a pinned release."""
+    if not os.path.lexists(PINS):
+        return None
+    pins = read_json(PINS, None)
+    if not isinstance(pins, dict) or not all(isinstance(v, list) for v in pins.values()):
+        return "%s is damaged (cut short, not a JSON object, or not a regular file)" % PINS
+    return None
+
+
 def read_pins():
-    """release name -> the reasons it is pinned (by hand, or by a campaign)."""
+    """release name -> the reasons it is pinned (by hand, or by a campaign); {} when damaged
+    (callers that remove or rewrite check pins_damaged() first)."""
     pins = read_json(PINS, {})
     if not isinstance(pins, dict):
         return {}
@@ -939,6 +951,9 @@ def op_pin():
     """Pin (or with `unpin`, unpin) a release: a pinned release is never pruned. `why` names the
     reason; unpinning with a reason drops only that reason, without one every reason."""
     name = ARGS["name"]
+    damaged = pins_damaged()
+    if damaged:  # rewriting it would drop every pin it held
+        fail("%s: fix it or remove it, then pin again" % damaged)
     pins = read_pins()
     reasons = pins.get(name, [])
     why = ARGS.get("why")
@@ -971,6 +986,9 @@ def protected():
 
 def op_prune():
     keep = int(ARGS["keep"])
+    damaged = pins_damaged()
+    if damaged:  # prune nothing rather than a pinned release
+        return {"removed": [], "skipped": "%s: no release pruned until it is fixed or removed" % damaged}
     protect = set(protected()) | {ARGS.get("protect")}
     names = [r["name"] for r in list_releases()]
     removed = []

@@ -9,7 +9,10 @@
 # under: the sha256 of the engine distribution's RECORD (its dist-info), the python version,
 # the venv's real path, the package's real path, the size and mtime of the parser's own source
 # files, and the names of every installed distribution on sys.path (a dependency upgraded in
-# place changes them). Any difference: stale, the real parser is asked and the file rewritten.
+# place changes them). Beside the key, the size and mtime of every source file the real parser
+# read (each module loaded outside the standard library when the table was taken: vLLM defines
+# flag choices in modules far from its args file). Any difference: stale, the real parser is
+# asked and the file rewritten.
 # Written atomically (temp file + rename), 0600, never through a symlink (a symlink in its
 # place is replaced, not followed), at most MAX_BYTES; at most MAX_FILES files in the folder.
 # A file that is missing, a symlink, too big, not JSON or of another schema: ignored, rewritten.
@@ -23,7 +26,7 @@ try:  # python 3.8+
 except ImportError:  # pragma: no cover
     _metadata = None
 
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2  # 2: the files the parser read are kept and checked
 CACHE_DIR = ".launch-cache"
 MAX_BYTES = 4 * 1024 * 1024
 MAX_FILES = 32
@@ -74,18 +77,43 @@ def engine_env(env, prefixes):
 
 def cache_key(engine, record_sha, pkg_dir, watched, env):
     """What the cached table depends on (a dict; equal dicts: the table still stands)."""
-    stats = []
-    for path in watched:
-        try:
-            st = os.stat(path)
-            stats.append([path, st.st_size, st.st_mtime_ns])
-        except OSError:
-            stats.append([path, None, None])
+    stats = [_stat_of(path) for path in watched]
     return {"schema": CACHE_SCHEMA, "engine": engine, "record_sha256": record_sha,
             "python": sys.version, "executable": os.path.realpath(sys.executable),
             "venv": os.path.realpath(sys.prefix), "package": pkg_dir, "sources": stats,
             "installed_sha256": _sha("\n".join(_installed_names())),
             "env_sha256": _sha(_cjson.dumps(sorted(env.items())))}
+
+
+def _stat_of(path):
+    try:
+        st = os.stat(path)
+        return [path, st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [path, None, None]
+
+
+def read_sources():
+    """[path, size, mtime_ns] of every module file loaded now outside the standard library: what
+    the real parser (imported in this process) was built from."""
+    import sysconfig
+    stdlib = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+    files = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and os.path.isabs(path):
+            real = os.path.realpath(path)
+            if not real.startswith(stdlib) or os.sep + "site-packages" + os.sep in real:
+                files.add(real)
+    return [_stat_of(p) for p in sorted(files)]
+
+
+def changed_source(read):
+    """The first file of `read` ([path, size, mtime_ns] rows) that is not as it was, or None."""
+    for row in read:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)) or _stat_of(row[0]) != row:
+            return row[0] if isinstance(row, list) and row and isinstance(row[0], str) else "?"
+    return None
 
 
 def cache_path(root, key):
@@ -112,18 +140,23 @@ def load(path, key):
             data = _cjson.loads(fh.read(MAX_BYTES + 1).decode("utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         return None, "damaged: %s" % type(exc).__name__
-    if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("table"), dict):
+    if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("table"), dict) \
+            or not isinstance(data.get("read"), list):
         return None, "damaged: not a launch cache of schema %d" % CACHE_SCHEMA
     if data.get("key") != key:
         old = data.get("key") if isinstance(data.get("key"), dict) else {}
         what = [k for k in sorted(key) if old.get(k) != key[k]]
         return None, "stale: %s changed" % ", ".join(what[:4])
+    changed = changed_source(data["read"])
+    if changed:
+        return None, "stale: sources changed (%s)" % changed
     return data["table"], "hit"
 
 
-def store(path, key, table):
-    """Write the table under its key (atomically, 0600); returns None or why it was not written."""
-    text = _cjson.dumps({"schema": CACHE_SCHEMA, "key": key, "table": table}, sort_keys=True)
+def store(path, key, table, read=()):
+    """Write the table under its key, with the files the parser read (atomically, 0600); returns
+    None or why it was not written."""
+    text = _cjson.dumps({"schema": CACHE_SCHEMA, "key": key, "table": table, "read": list(read)}, sort_keys=True)
     if len(text) > MAX_BYTES:
         return "table of %d bytes is over the cache's %d" % (len(text), MAX_BYTES)
     folder = os.path.dirname(path)
@@ -233,7 +266,7 @@ class ParserCache(object):
         if table is None:
             return "%s's parser cannot be kept as a table" % self.engine
         key = self.key(env)
-        return store(cache_path(self.root, key), key, table)
+        return store(cache_path(self.root, key), key, table, read_sources())
 
     def env_changed(self, env):
         """Whether a branch's env sets one of the engine's variables differently."""
