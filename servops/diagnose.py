@@ -641,6 +641,37 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
     return rep
 
 
+def fleet_groups(reports: Iterable[HostReport]) -> list[dict]:
+    """The same failure on several hosts as one row, as Sentry groups events: by the known issue
+    named, else by the category and the root's shape (numbers and addresses masked); most hosts
+    first. Each: {failure, root, action, hosts}."""
+    from .remote.tracebacks import _mask
+
+    groups: dict[tuple, dict] = {}
+    for rep in reports:
+        if rep.matched:
+            key, failure = ("known", rep.matched[0][0]), f"{rep.matched[0][0]} ({rep.matched[0][1]})"
+        elif rep.findings or rep.ended:
+            name = rep.category.name if rep.category else "unknown"
+            key, failure = (name, _mask(rep.root)), f"no known issue; category {name}"
+        else:
+            key, failure = ("clean",), "no errors found"
+        g = groups.setdefault(key, {"failure": failure, "root": rep.root, "action": rep.action or "", "hosts": []})
+        g["hosts"].append(rep.host)
+    return sorted(groups.values(), key=lambda g: (-len(g["hosts"]), g["failure"]))
+
+
+def print_fleet(reports: list[HostReport], redact=None, con=None) -> None:
+    """Several hosts: one row per distinct failure, with how many hosts show it and which."""
+    from .output import print_table, table
+
+    redact = redact or make_redactor(None)
+    t = table(f"the same failure on several hosts: {len(reports)} hosts", ["failure", "root", "action", "hosts", "count"])
+    for g in fleet_groups(reports):
+        t.add_row(redact(g["failure"]), redact(g["root"][:160]), g["action"], ",".join(g["hosts"]), str(len(g["hosts"])))
+    print_table(t, con)
+
+
 def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=None) -> None:
     """The verdict lines, last: one per host."""
     reports = list(reports)
@@ -703,6 +734,8 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
     if as_json:
         vr.recap.machine_output = True   # stdout carries only the JSON objects
     vr.recap.render()
+    if len(reports) > 1 and not as_json:
+        print_fleet(reports)
     print_verdicts(reports, as_json)
     if vr.recap.failed:
         return 2

@@ -162,3 +162,40 @@ def test_json_carries_category_confidence_evidence_and_action():
     row = json.loads(json.dumps(to_json("h", {"source": "x"}, findings[0], hits[0],
                                         None if hits[0] else categorize(findings))))
     assert row["action"] and row["category"] and {"category_from", "confidence", "evidence"} <= set(row)
+
+
+# -- the fleet view ------------------------------------------------------------------------------------
+
+def test_fleet_groups_the_same_failure_on_several_hosts():
+    from servops.diagnose import HostReport, fleet_groups
+
+    a = HostReport("a", 1, [("port-in-use", "port-in-use")], action="change flag --port", root="OSError: port 30000")
+    b = HostReport("b", 1, [("port-in-use", "port-in-use")], action="change flag --port", root="OSError: port 30001")
+    c = HostReport("c", 0)
+    rows = fleet_groups([a, c, b])
+    assert [(r["failure"], r["hosts"]) for r in rows] == [("port-in-use (port-in-use)", ["a", "b"]),
+                                                          ("no errors found", ["c"])]
+
+
+def test_the_same_failure_on_three_hosts_is_one_row(lab):
+    from conftest import run_invoke
+
+    inv = lab.inventory(n_hosts=3)
+    log = Path(__file__).resolve().parent / "fixtures" / "real" / "sglang-4289-nccl-system-error.log"
+    res = run_invoke("diagnose", "--log", str(log), "-H", "lab1,lab2,lab3", inventory=inv)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "the same failure on several hosts: 3 hosts" in out
+    row = next(line for line in out.splitlines() if "nccl-communicator-error (nccl)" in line and "lab1,lab2,lab3" in line)
+    assert "drain host" in row and row.rstrip(" │|").endswith("3")
+    assert out.strip().splitlines()[-1] == "lab3: matched: nccl-communicator-error (nccl); action: drain host"
+
+
+def test_a_crash_whose_action_is_drain_host_takes_the_host_out_of_a_fleet_study():
+    from servops.tunefleet import drain_reason
+
+    crash = {"outcome": "crashed", "findings": [{"entry": "nccl-communicator-error", "action": "drain host",
+                                                 "root_exception": "RuntimeError: NCCL error: unhandled system error"}]}
+    assert drain_reason(crash) == ("its crash says drain host: nccl-communicator-error: "
+                                   "RuntimeError: NCCL error: unhandled system error")
+    assert drain_reason({"outcome": "crashed", "findings": [{"entry": "port-in-use", "action": "change flag --port"}]}) is None
