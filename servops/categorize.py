@@ -128,9 +128,20 @@ def cues_of(line: str) -> list[tuple[str, int]]:
     return [(cat, w) for cat, w, rx in _CUES if rx.search(line)]
 
 
+# A wrapper's message with the real error quoted inside it (`Worker failed with error '...'`,
+# `RayTaskError(...): ... died with exception "..."`): the quoted error is what the category reads.
+_WRAPPED = re.compile(r"(?i)\b(?:failed|died|crashed|exited|terminated|raised)\b[^'\"\n]{0,30}?\b(?:with|:)\s*"
+                      r"(?:(?:an? )?(?:error|exception)\s*[:=]?\s*)?['\"](?P<inner>[^'\"\n]{8,})['\"]")
+
+
+def unwrap(line: str) -> str:
+    m = _WRAPPED.search(line)
+    return m.group("inner") if m else line
+
+
 def features(types: list[str], text: str, frames: list[str], classes: list[str] = ()) -> tuple[set[str], list[str]]:
     """(features, evidence lines) of one failure's evidence (diagnose.evidence)."""
-    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    lines = [unwrap(ln.strip()) for ln in text.split("\n") if ln.strip()]
     feats: set[str] = set()
     for t in types:
         feats.add("exc:" + t.rsplit(".", 1)[-1].lower())
@@ -201,8 +212,11 @@ def classify(feats: set[str], lines: list[str], model: dict | None, cue_weight: 
         scores[c] = s
     ranked = sorted(scores, key=lambda c: -scores[c])
     top = ranked[0]
+    # (naive Bayes adds one log-likelihood per feature as if each were independent evidence: the
+    # probability it gives is tempered by the square root of their number)
+    temper = math.sqrt(len(known) + 1)
     z = max(scores.values())
-    total = sum(math.exp(v - z) for v in scores.values())
+    total = sum(math.exp((v - z) / temper) for v in scores.values())
     confidence = 1.0 / total
     second = ranked[1] if len(ranked) > 1 else top
 

@@ -850,6 +850,10 @@ def summarise(f):
             root = causes[0]["text"] if causes else (context or final)
     elif f["abort"] or f["fatal"]:
         root = final = _death(f)
+        # a kernel's device-side assert (or another error line) printed before the C++ abort that
+        # reports it (`terminate called ... c10::Error`, what(): device-side assert triggered) is its cause
+        if strong and strong[0]["line"] < (f["abort"] or f["fatal"])["line"]:
+            root = strong[0]["text"]
     elif f["errors"]:
         causes = causes or f["errors"]
         root, final = causes[0]["text"], f["errors"][-1]["text"]
