@@ -75,6 +75,11 @@ def test_a_served_server_with_handled_warnings_is_clean():
     assert (rep.verdict, rep.exit_code) == ("no errors found", 0)
 
 
+def test_advice_and_hedged_words_are_no_sign():
+    assert scan("INFO 01-01 00:00:00 [model_runner.py:1] Capturing cudagraphs for decoding. If out-of-memory error "
+                "occurs during cudagraph capture, consider decreasing gpu_memory_utilization.\n")["findings"] == []
+
+
 def test_a_stop_that_was_asked_for_is_no_sign():
     assert scan("[2025-01-01 00:00:00] Received SIGTERM, shutting down\n"
                 "[2025-01-01 00:00:01] Subprocess scheduler_0 crashed with exit code -15. Triggering SIGQUIT for cleanup...\n"

@@ -944,7 +944,10 @@ _SIGN_HANDLED = _re.compile(r"(?i)\b(?:ignor(?:e|ed|ing)|retry|retrying|will ret
                             r"disabled|disabling|continuing|deprecated|failed to connect|connection refused|"
                             r"health check failed|not ready|waiting|is pending|0 errors?|no errors?|errors?=0|"
                             r"error_?(?:rate|count)|\w+_error\w*=|if you (?:see|get|encounter))\b|=\s*(?:False|None|True)\b|"
-                            r"Warning: ")
+                            r"Warning: |\bif\b[^.]{0,60}\b(?:occurs?|happens?|encounter\w*|you see|you get)\b|\bconsider\b|"
+                            r"\b(?:may|might|can) (?:\w+ ){0,3}(?:fail|error|crash)|"
+                            # torch's c10d on a host without a resolvable name: harmless, said at every start
+                            r"hostname of the client socket cannot be retrieved")
 _IGNORED = _re.compile(r"(?i)\bignor(?:e|ed|ing)\b")
 _SERVED = _re.compile(r"Uvicorn running on|Application startup complete|The server is fired up|\b200 OK\b|HTTP/1\.1\\?\" 200|"
                       r"Avg (?:prompt|generation) throughput|Decode batch|Prefill batch|Started server process|"
