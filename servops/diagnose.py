@@ -219,13 +219,28 @@ def match(finding: dict, issues: list[dict]) -> list[dict]:
     return causes or ranked
 
 
+def rank_by_evidence(finding: dict, hits: list[dict]) -> list[dict]:
+    """Known issues of different categories that match a finding equally well: the one whose
+    category its evidence points to (categorize) goes first."""
+    if len({h["category"] for h in hits}) < 2:
+        return hits
+    ev = evidence(finding)
+    best = [max(s for s in (_score(alt, ev) for alt in _alternatives(h)) if s is not None) for h in hits]
+    tied = [h for h, b in zip(hits, best) if b == best[0]]
+    if len({h["category"] for h in tied}) < 2:
+        return hits
+    scores = categorize([finding]).scores
+    tied.sort(key=lambda h: -scores.get(h["category"], float("-inf")))
+    return tied + hits[len(tied):]
+
+
 def match_log(findings: list[dict], issues: list[dict]) -> tuple[list[list[dict]], list[dict | None]]:
     """match() for each finding of one log, with the fallback rule lifted to the log: a finding
     only a `fallback` entry matches ("the engine core failed to start") reports a failure, and
     where another finding of the same log names a cause, that is the failure it reports: it
     names no known issue of its own. Returns each finding's hits and, for such a finding, the
     fallback entry it was left without (else None)."""
-    all_hits = [match(f, issues) for f in findings]
+    all_hits = [rank_by_evidence(f, match(f, issues)) for f in findings]
     if not any(hits and not hits[0].get("fallback") for hits in all_hits):
         return all_hits, [None] * len(all_hits)
     reports = [hits[0] if hits and hits[0].get("fallback") else None for hits in all_hits]

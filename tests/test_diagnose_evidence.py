@@ -219,3 +219,15 @@ def test_a_crash_whose_action_is_drain_host_takes_the_host_out_of_a_fleet_study(
     assert drain_reason(crash) == ("its crash says drain host: nccl-communicator-error: "
                                    "RuntimeError: NCCL error: unhandled system error")
     assert drain_reason({"outcome": "crashed", "findings": [{"entry": "port-in-use", "action": "change flag --port"}]}) is None
+
+
+def test_known_issues_that_match_alike_are_ranked_by_the_evidence(tmp_path):
+    from servops.diagnose import match, rank_by_evidence
+
+    kb = tmp_path / "known_issues.yml"
+    kb.write_text("- id: first-in-file\n  category: install\n  title: t\n  explanation: e\n  match:\n    message: 'boom'\n"
+                  "- id: second-in-file\n  category: cuda-oom\n  title: t\n  explanation: e\n  match:\n    message: 'boom'\n")
+    [f] = scan("RuntimeError: boom: CUDA out of memory. Tried to allocate 2.00 GiB\n")["findings"]
+    hits = match(f, known_issues(kb))
+    assert [h["id"] for h in hits] == ["first-in-file", "second-in-file"]
+    assert [h["id"] for h in rank_by_evidence(f, hits)] == ["second-in-file", "first-in-file"]
