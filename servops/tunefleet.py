@@ -130,12 +130,13 @@ def batches(hosts: list[str], serial: int | None) -> list[list[str]]:
 # -- the coordinator ------------------------------------------------------------------------------------
 
 def drain_reason(done: dict) -> str | None:
-    """A crash whose diagnosis says "drain host" (NCCL on this host, its limits, its driver): the
-    host leaves the study, since every point would fail there alike."""
-    f = next((f for f in done.get("findings") or [] if f.get("action") == "drain host"), None)
+    """A crash whose known issue says "drain host" (NCCL on this host, its limits, its driver): the
+    host leaves the study, since every point would fail there alike. (A category guessed from the
+    evidence alone never takes a host out.)"""
+    f = next((f for f in done.get("findings") or [] if f.get("entry") and f.get("action") == "drain host"), None)
     if f is None:
         return None
-    return f"its crash says drain host: {f.get('entry') or f.get('category') or 'unknown'}: {f.get('root_exception') or ''}".rstrip(": ")
+    return f"its crash says drain host: {f['entry']}: {f.get('root_exception') or ''}".rstrip(": ")
 
 
 class HostDropped(ServopsError):

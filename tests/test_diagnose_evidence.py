@@ -219,6 +219,8 @@ def test_a_crash_whose_action_is_drain_host_takes_the_host_out_of_a_fleet_study(
     assert drain_reason(crash) == ("its crash says drain host: nccl-communicator-error: "
                                    "RuntimeError: NCCL error: unhandled system error")
     assert drain_reason({"outcome": "crashed", "findings": [{"entry": "port-in-use", "action": "change flag --port"}]}) is None
+    # a category from the evidence alone may be wrong: it never takes a host out
+    assert drain_reason({"outcome": "crashed", "findings": [{"entry": None, "category": "nccl", "action": "drain host"}]}) is None
 
 
 def test_known_issues_that_match_alike_are_ranked_by_the_evidence(tmp_path):
