@@ -247,6 +247,13 @@ def match_log(findings: list[dict], issues: list[dict]) -> tuple[list[list[dict]
     return [[] if fallback else hits for hits, fallback in zip(all_hits, reports)], reports
 
 
+def shown_finding(findings: list[dict], hits: list[list[dict]]) -> dict | None:
+    """The finding whose root the user reads as the log's: the first a known issue names, else the
+    first with its exception line, else the first."""
+    return next((f for f, h in zip(findings, hits) if h), None) \
+        or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
+
+
 def finding_features(f: dict) -> tuple[set[str], list[str]]:
     """What the category model reads of a finding: its evidence's words, classes and frames."""
     from .categorize import features
@@ -617,8 +624,7 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         if hits:
             rep.matched.append((hits[0]["id"], hits[0]["category"]))
     cats = [None if hits or reported else categorize([f]) for f, hits, reported in zip(findings, all_hits, reports)]
-    shown = next((f for f, h in zip(findings, all_hits) if h), None) or next(
-        (f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
+    shown = shown_finding(findings, all_hits)
     rep.root = redact(shown["root_exception"] if shown else (rep.ended or {}).get("text", ""))
     if rep.matched:
         rep.action = action_of(next(h[0] for h in all_hits if h))

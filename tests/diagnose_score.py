@@ -43,12 +43,10 @@ def manifests(batch: str | None = None) -> tuple[list[dict], list[dict]]:
 
 
 def shown_finding(findings: list[dict], hits: list[list[dict]]) -> dict | None:
-    """The finding whose root the user reads as the log's: the first a known issue names, else the
-    first with its exception line, else the first."""
-    from servops.remote.tracebacks import NO_EXCEPTION_LINE
+    """The finding whose root the user reads as the log's (servops.diagnose.shown_finding)."""
+    from servops.diagnose import shown_finding as shown
 
-    return next((f for f, h in zip(findings, hits) if h), None) \
-        or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
+    return shown(findings, hits)
 
 
 def label(case: dict, category: dict) -> str | None:

@@ -935,8 +935,8 @@ _SIGNS = [
 _SIGN_WORDS = ("ignal", "SIG", "Bus error", "Segmentation", "core dumped", "][", "ssert", "Error(", "Exception(", "CUDA",
                "cuda", "NCCL", "out of memory", "OOM", "imed out", "imeout", "deadline", "gave up", "giving up", "ready",
                "illegal memory", "device-side", "segfault")
-# Weak signs, any level: failure words. They count where the log shows no server that started or
-# served after them, and never in a line that says the server handled it and went on, or in one
+# Weak signs, any level: failure words. They count where the log shows no server that went on
+# (loaded, started, served: _SERVED) after them, and never in a line that says the server handled it and went on, or in one
 # that only waits for something still starting.
 _SIGN_WEAK = _re.compile(r"(?i)\b(?:error|errors|failed|failure|fatal|exception|crash(?:es|ed|ing)?|abort(?:ed)?|panic|"
                          r"could not|couldn't|cannot|unable to)\b")
@@ -974,7 +974,7 @@ def failure_signs(lines):
     strongest first (at most 8): strong signs at any level, then weak ones where no server that
     started or served follows them, then a notice repeated until the log ends."""
     strong, weak = [], []
-    served_after = None  # the last line showing a server that started or served
+    served_after = None  # the last line showing a server that went on (loaded, started, served)
     for ln in lines:
         if any(w in ln.text for w in ("running", "complete", "fired", "200", "throughput", "batch", "Started", "Connected",
                                       "eady", "erver", "Starting", "routes", "Route", "Warming", "apturing", "KV cache",
