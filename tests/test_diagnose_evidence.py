@@ -127,6 +127,15 @@ def test_a_device_side_assert_before_the_cxx_abort_is_its_root():
     assert rep.category.name == "illegal-memory-access" and rep.exit_code == 1
 
 
+def test_a_jupyter_traceback_cut_before_its_exception_line_is_named_by_its_header():
+    rep = verdict("OutOfMemoryError                          Traceback (most recent call last)\n"
+                  "Cell In[3], line 1\n"
+                  "----> 1 llm = LLM(model=\"meta-llama/Llama-2-7b-hf\")\n\n"
+                  "File /opt/conda/lib/python3.10/site-packages/vllm/entrypoints/llm.py:105, in LLM.__init__(self, model)\n"
+                  "--> 105 self.llm_engine = LLMEngine.from_engine_args(engine_args)\n")
+    assert rep.root == "OutOfMemoryError" and rep.matched == [("cuda-out-of-memory", "cuda-oom")]
+
+
 def test_the_category_line_names_evidence_confidence_and_action():
     rep = verdict("RuntimeError: NCCL error: remote process exited or there was a network error\n")
     out = rep.verdict

@@ -522,6 +522,12 @@ class _Stream(object):
                 break
             exc["last"] = self.lines[i].no
             i += 1
+        if exc["type"] is None and header:
+            # an excerpt cut before the exception line: the header names its class
+            # (`OutOfMemoryError                          Traceback (most recent call last)`)
+            hm = _IPY_HEADER.match(self.text(start))
+            if hm and _looks_exception(hm.group("type")):
+                exc["type"] = hm.group("type")
         return exc, self.details(i, exc)
 
     def _message_above(self, i):
