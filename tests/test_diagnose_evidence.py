@@ -136,6 +136,12 @@ def test_a_jupyter_traceback_cut_before_its_exception_line_is_named_by_its_heade
     assert rep.root == "OutOfMemoryError" and rep.matched == [("cuda-out-of-memory", "cuda-oom")]
 
 
+def test_a_sentence_introducing_the_log_is_not_the_root_of_the_error_below_it():
+    rep = verdict("Error: the server crashes when I send a request. Log below:\n"
+                  "RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    assert rep.root == "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
 def test_the_category_line_names_evidence_confidence_and_action():
     rep = verdict("RuntimeError: NCCL error: remote process exited or there was a network error\n")
     out = rep.verdict

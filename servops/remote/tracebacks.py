@@ -832,6 +832,11 @@ def _repeats(text, chain):
     return False
 
 
+# A reporter's sentence that introduces the log ("Error: it crashes when I ... Log below:"): never
+# the root when an exception follows it.
+_PROSE = _re.compile(r"\b(?:[Bb]elow|the following|as follows)\b[^.]*[:.]?\s*$|(?:^|\s)(?:I|I'm|I've|my|we) ")
+
+
 def summarise(f):
     """Root and final exception of a failure, as the user reads them."""
     strong = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE and e["class"] not in _WEAK]
@@ -842,8 +847,9 @@ def summarise(f):
             root, final = describe(typed[0]), describe(f["chain"][-1])
             # an error printed above the traceback (a kernel's CUDA error) is the earlier cause,
             # unless it only repeats the exception (a logger's message, a repr of it)
-            if strong and strong[0]["line"] < f["chain"][0]["line"] and not _repeats(strong[0]["text"], f["chain"]):
-                root = strong[0]["text"]
+            said = [e for e in strong if not _PROSE.search(e["text"])]
+            if said and said[0]["line"] < f["chain"][0]["line"] and not _repeats(said[0]["text"], f["chain"]):
+                root = said[0]["text"]
         elif f["fatal"] or f["abort"]:
             # frames without their exception line, then the process died: the death says more
             root = final = _death(f)
