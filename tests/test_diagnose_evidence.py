@@ -143,12 +143,13 @@ def test_a_sentence_introducing_the_log_is_not_the_root_of_the_error_below_it():
 
 
 def test_the_category_line_names_evidence_confidence_and_action():
-    rep = verdict("RuntimeError: NCCL error: remote process exited or there was a network error\n")
-    out = rep.verdict
-    if rep.matched:  # a known issue names it: then its action
-        assert "; action: " in out
-    else:
-        assert out.startswith("no known issue matched — category nccl (") and "; action: drain host" in out
+    out = StringIO()
+    rep = report("x.log", scan_local("RuntimeError: ProcessGroupGloo and NCCL peers disagree on the collective sequence "
+                                     "number\n", "x.log"), ISSUES, con=Console(file=out, width=300))
+    assert not rep.matched and rep.exit_code == 1
+    assert rep.verdict.startswith("no known issue matched — category nccl (") and "; action: drain host" in rep.verdict
+    assert ("category: nccl (confidence %.2f; evidence: RuntimeError: ProcessGroupGloo and NCCL peers disagree on the "
+            "collective sequence number)  action: drain host" % rep.category.confidence) in out.getvalue()
 
 
 def test_the_shipped_model_is_what_its_logs_train():
