@@ -23,6 +23,7 @@ from .patchstore import PATCH_ROOT
 from .redact import Redactor
 from .releases import deploy_root
 from .remote_exec import run_program
+from .remote.tracebacks import NO_EXCEPTION_LINE
 from .schema import load_yaml, read_text
 from .transport import HostSession
 
@@ -30,6 +31,16 @@ CATEGORIES = ("dynamo-trace", "cuda-oom", "nccl", "illegal-memory-access", "jit-
               "model-load", "port-in-use", "triton-resources", "quantization", "config", "install", "host-limits",
               "engine-death")
 _CONDITIONS = {"exception", "root", "final", "message", "frames", "code", "not"}
+# What the operator does next (a known issue's `action:`, else its category's): one of these.
+_ACTION = re.compile(r"^(?:apply patch [A-Za-z0-9][\w.-]*|change flag (?:--[a-z][\w-]*|\(the one the message names\))|"
+                     r"restart|free GPU memory|drain host|fix the model path|fix the install)$")
+CATEGORY_ACTIONS = {
+    "dynamo-trace": "change flag --disable-piecewise-cuda-graph", "cuda-oom": "change flag --mem-fraction-static",
+    "nccl": "drain host", "illegal-memory-access": "change flag --attention-backend", "jit-build": "fix the install",
+    "arch-unsupported": "fix the install", "model-load": "fix the model path", "port-in-use": "change flag --port",
+    "triton-resources": "change flag --attention-backend", "quantization": "change flag --quantization",
+    "config": "change flag (the one the message names)", "install": "fix the install", "host-limits": "drain host",
+    "engine-death": "restart"}
 # Weights for ranking hits: a frame or a source line pins a failure down more than a message.
 _WEIGHTS = {"frames": 3, "code": 3, "exception": 2, "root": 2, "final": 2, "message": 1}
 _RELEASE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -66,6 +77,9 @@ def known_issues(path: Path | None = None) -> list[dict]:
         seen.add(eid)
         if entry["category"] not in CATEGORIES:
             raise DiagnoseError(f"{path}: entry {eid}: category {entry['category']!r} is not one of {', '.join(CATEGORIES)}")
+        if "action" in entry and not _ACTION.match(str(entry["action"])):
+            raise DiagnoseError(f"{path}: entry {eid}: action {entry['action']!r} is not one of: apply patch NAME, "
+                                f"change flag --FLAG, restart, free GPU memory, drain host, fix the model path, fix the install")
         alternatives = _alternatives(entry)
         if not alternatives:
             raise DiagnoseError(f"{path}: entry {eid} has no 'match' (or 'any') conditions")
@@ -80,6 +94,15 @@ def known_issues(path: Path | None = None) -> list[dict]:
                     except re.error as exc:
                         raise DiagnoseError(f"{path}: {eid}.{key}: bad regex {rx!r}: {exc}") from None
     return data
+
+
+def action_of(entry: dict | None, category: str | None = None) -> str | None:
+    """What to do next for a known issue (its `action:`, else the patch it names, else its
+    category's), or for a category alone."""
+    if entry is not None:
+        patch = (entry.get("suggest") or {}).get("patch")
+        return entry.get("action") or (f"apply patch {patch}" if patch else CATEGORY_ACTIONS[entry["category"]])
+    return CATEGORY_ACTIONS.get(category or "")
 
 
 def _alternatives(entry: dict) -> list[dict]:
@@ -196,17 +219,67 @@ def match(finding: dict, issues: list[dict]) -> list[dict]:
     return causes or ranked
 
 
+def rank_by_evidence(finding: dict, hits: list[dict]) -> list[dict]:
+    """Known issues of different categories that match a finding equally well: the one whose
+    category its evidence points to (categorize) goes first."""
+    if len({h["category"] for h in hits}) < 2:
+        return hits
+    ev = evidence(finding)
+    best = [max(s for s in (_score(alt, ev) for alt in _alternatives(h)) if s is not None) for h in hits]
+    tied = [h for h, b in zip(hits, best) if b == best[0]]
+    if len({h["category"] for h in tied}) < 2:
+        return hits
+    scores = categorize([finding]).scores
+    tied.sort(key=lambda h: -scores.get(h["category"], float("-inf")))
+    return tied + hits[len(tied):]
+
+
 def match_log(findings: list[dict], issues: list[dict]) -> tuple[list[list[dict]], list[dict | None]]:
     """match() for each finding of one log, with the fallback rule lifted to the log: a finding
     only a `fallback` entry matches ("the engine core failed to start") reports a failure, and
     where another finding of the same log names a cause, that is the failure it reports: it
     names no known issue of its own. Returns each finding's hits and, for such a finding, the
     fallback entry it was left without (else None)."""
-    all_hits = [match(f, issues) for f in findings]
+    all_hits = [rank_by_evidence(f, match(f, issues)) for f in findings]
     if not any(hits and not hits[0].get("fallback") for hits in all_hits):
         return all_hits, [None] * len(all_hits)
     reports = [hits[0] if hits and hits[0].get("fallback") else None for hits in all_hits]
     return [[] if fallback else hits for hits, fallback in zip(all_hits, reports)], reports
+
+
+def shown_finding(findings: list[dict], hits: list[list[dict]]) -> dict | None:
+    """The finding whose root the user reads as the log's: the first a known issue names, else the
+    first with its exception line, else the first."""
+    return next((f for f, h in zip(findings, hits) if h), None) \
+        or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
+
+
+def finding_features(f: dict) -> tuple[set[str], list[str]]:
+    """What the category model reads of a finding: its evidence's words, classes and frames."""
+    from .categorize import features
+
+    ev = evidence(f)
+    return features(ev.types, ev.text, ev.frames, [e["class"] for e in f.get("errors") or []])
+
+
+def categorize(findings: list[dict], model: dict | None = None, cue_weight: float | None = None,
+               extra: list[str] = ()):
+    """The category the evidence of these findings (and of `extra` lines: the line showing the
+    server died) points to (categorize.Category): what a log's failure is when no known issue
+    names it."""
+    from .categorize import classify, line_features, load_model
+
+    model = model if model is not None else load_model()
+    feats: set[str] = set()
+    lines: list[str] = list(extra)
+    for ln in extra:
+        feats |= line_features(ln)
+    for f in findings:
+        fs, ls = finding_features(f)
+        feats |= fs
+        lines.extend(ln for ln in ls if ln not in lines)
+    weight = cue_weight if cue_weight is not None else (model or {}).get("cue_weight", 1.0)
+    return classify(feats, lines, model, weight, CATEGORIES)
 
 
 def call_chain(finding: dict, entry_rx: str | None) -> list[str]:
@@ -305,18 +378,26 @@ class HostReport:
     findings: int = 0
     matched: list[tuple[str, str]] = field(default_factory=list)   # (entry id, category) per matched finding
     ended: dict | None = None      # the line showing the server died (scan's "ended"), if the log has one
+    category: object = None        # categorize.Category of the evidence, where no known issue names it
+    action: str | None = None      # what to do next: the known issue's, else the category's
+    root: str = ""                 # the root exception the user reads (the fleet view groups by it)
 
     @property
     def verdict(self) -> str:
+        act = f"; action: {self.action}" if self.action else ""
         if self.matched:
             entry, cat = self.matched[0]
             more = len({m[0] for m in self.matched}) - 1
-            return f"matched: {entry} ({cat})" + (f" and {more} more known issue(s)" if more > 0 else "")
+            return f"matched: {entry} ({cat})" + (f" and {more} more known issue(s)" if more > 0 else "") + act
+        head = "no known issue matched"
+        if self.category is not None:
+            head += f" — category {self.category.name}" + (
+                f" ({self.category.confidence:.2f}){act}" if self.category.name != "unknown" else "")
         if self.ended:
             how = " (the log stops inside a traceback)" if self.ended.get("how") == "mid-traceback" else ""
-            return f"no known issue matched — the server ended abnormally: {self.ended['text']}{how}"
+            return f"{head} — the server ended abnormally: {self.ended['text']}{how}"
         if self.findings:
-            return f"no known issue matched — {self.findings} error(s) found"
+            return f"{head} — {self.findings} error(s) found"
         return "no errors found"
 
     @property
@@ -333,10 +414,15 @@ def _ranks_text(f: dict) -> str:
     return f"{len(ranks)} ranks, first at {ranks[0]}"
 
 
-def to_json(host: str, result: dict, f: dict, hits: list[dict]) -> dict:
+def to_json(host: str, result: dict, f: dict, hits: list[dict], cat=None) -> dict:
     top = hits[0] if hits else None
     return {"host": host, "source": result.get("source"), "release": result.get("release"),
-            "category": top["category"] if top else None, "entry": top["id"] if top else None,
+            "category": top["category"] if top else (cat.name if cat else None),
+            "category_from": "known issue" if top else ("evidence" if cat else None),
+            "confidence": 1.0 if top else (cat.confidence if cat else None),
+            "evidence": cat.evidence if cat and not top else [],
+            "action": action_of(top) if top else (action_of(None, cat.name) if cat else None),
+            "entry": top["id"] if top else None,
             "title": top["title"] if top else None, "also": [h["id"] for h in hits[1:]],
             "root_exception": f.get("root_exception"), "final_exception": f.get("final_exception"),
             "frames": len(finding_frames(f)), "ranks": f.get("ranks") or [], "occurrences": f.get("occurrences", 1),
@@ -436,7 +522,7 @@ def _print_frames(p: _Printer, title: str, frames: list[dict], offline: bool):
 
 
 def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: list[dict], explain: bool,
-                  offline: bool, reported: dict | None = None):
+                  offline: bool, reported: dict | None = None, cat=None):
     lines = f"log line {f['line']}" + (f"-{f['last']}" if f.get("last", f["line"]) > f["line"] else "")
     occ = f", {f['occurrences']} times" if f.get("occurrences", 1) > 1 else ""
     p.rule(f"{host}: failure {n}/{total} ({lines}, {_ranks_text(f)}{occ})")
@@ -497,7 +583,8 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
                 f"another version" + (f" (host: {', '.join(dists)})" if dists else ""), "yellow"))
     if hits:
         hit = hits[0]
-        p.line(("known issue ", "bold yellow"), (hit["id"], "bold yellow"), f" ({hit['category']}): ", hit["title"])
+        p.line(("known issue ", "bold yellow"), (hit["id"], "bold yellow"), f" ({hit['category']}): ", hit["title"],
+               ("  action: ", "bold"), action_of(hit))
         p.line(" ".join(str(hit["explanation"]).split()), indent=2)
         for key, value in (hit.get("suggest") or {}).items():
             p.line(f"suggest {key}: ", str(value), indent=2)
@@ -510,6 +597,13 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
                 f"the log shows no cause)", "dim"))
     else:
         p.line(("no known issue matches this failure", "dim"))
+    if not hits and not reported and cat is not None:
+        if cat.name == "unknown":
+            p.line(("category: ", "bold"), "unknown (nothing in its lines points to one)")
+        else:
+            p.line(("category: ", "bold"), (cat.name, "bold yellow"),
+                   f" (confidence {cat.confidence:.2f}; evidence: ", " | ".join(cat.evidence) or "its words", ")",
+                   ("  action: ", "bold"), action_of(None, cat.name))
     if explain:
         p.line(("call chain", "bold"))
         for depth, step in enumerate(call_chain(f, hits[0].get("entry") if hits else None)):
@@ -529,9 +623,17 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
     for hits in all_hits:
         if hits:
             rep.matched.append((hits[0]["id"], hits[0]["category"]))
+    cats = [None if hits or reported else categorize([f]) for f, hits, reported in zip(findings, all_hits, reports)]
+    shown = shown_finding(findings, all_hits)
+    rep.root = redact(shown["root_exception"] if shown else (rep.ended or {}).get("text", ""))
+    if rep.matched:
+        rep.action = action_of(next(h[0] for h in all_hits if h))
+    elif findings or rep.ended:
+        rep.category = categorize(findings, extra=[rep.ended["text"]] if rep.ended else [])
+        rep.action = action_of(None, rep.category.name)
     if as_json:
-        for f, hits in zip(findings, all_hits):
-            line = json_text(_redact_json(to_json(host, result, f, hits), redact), sort_keys=True)
+        for f, hits, cat in zip(findings, all_hits, cats):
+            line = json_text(_redact_json(to_json(host, result, f, hits, cat), redact), sort_keys=True)
             if con is not None:
                 con.out(line, highlight=False)
             else:
@@ -550,14 +652,45 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         p.line(("only the last 16 MiB of the log was read", "dim"))
     if scan.get("newest_first"):
         p.line(("the log lists its newest line first: read oldest first, line numbers count from its last line", "dim"))
-    for n, (f, hits, reported) in enumerate(zip(findings, all_hits, reports), 1):
-        print_finding(p, host, n, len(findings), f, hits, explain, offline, reported)
+    for n, (f, hits, reported, cat) in enumerate(zip(findings, all_hits, reports, cats), 1):
+        print_finding(p, host, n, len(findings), f, hits, explain, offline, reported, cat)
     if scan.get("more"):
         p.line(f"... and {scan['more']} more failure(s) not shown")
     if scan.get("ended") and not rep.matched:
         p.line(("the server ended abnormally: ", "bold"), scan["ended"]["text"], f"  (log line {scan['ended']['line']})")
     sys.stdout.flush()
     return rep
+
+
+def fleet_groups(reports: Iterable[HostReport]) -> list[dict]:
+    """The same failure on several hosts as one row, as Sentry groups events: by the known issue
+    named, else by the category and the root's shape (numbers and addresses masked); most hosts
+    first. Each: {failure, root, action, hosts}."""
+    from .remote.tracebacks import _mask
+
+    groups: dict[tuple, dict] = {}
+    for rep in reports:
+        if rep.matched:
+            key, failure = ("known", rep.matched[0][0]), f"{rep.matched[0][0]} ({rep.matched[0][1]})"
+        elif rep.findings or rep.ended:
+            name = rep.category.name if rep.category else "unknown"
+            key, failure = (name, _mask(rep.root)), f"no known issue; category {name}"
+        else:
+            key, failure = ("clean",), "no errors found"
+        g = groups.setdefault(key, {"failure": failure, "root": rep.root, "action": rep.action or "", "hosts": []})
+        g["hosts"].append(rep.host)
+    return sorted(groups.values(), key=lambda g: (-len(g["hosts"]), g["failure"]))
+
+
+def print_fleet(reports: list[HostReport], redact=None, con=None) -> None:
+    """Several hosts: one row per distinct failure, with how many hosts show it and which."""
+    from .output import print_table, table
+
+    redact = redact or make_redactor(None)
+    t = table(f"the same failure on several hosts: {len(reports)} hosts", ["failure", "root", "action", "hosts", "count"])
+    for g in fleet_groups(reports):
+        t.add_row(redact(g["failure"]), redact(g["root"][:160]), g["action"], ",".join(g["hosts"]), str(len(g["hosts"])))
+    print_table(t, con)
 
 
 def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=None) -> None:
@@ -622,6 +755,8 @@ def run(*, release: str = "", log: str = "", offline: bool = False, as_json: boo
     if as_json:
         vr.recap.machine_output = True   # stdout carries only the JSON objects
     vr.recap.render()
+    if len(reports) > 1 and not as_json:
+        print_fleet(reports)
     print_verdicts(reports, as_json)
     if vr.recap.failed:
         return 2

@@ -325,6 +325,7 @@ def diagnose_release(hs: HostSession, release: str) -> list[dict]:
         frames = [f"{fr['func']} ({fr['path']}:{fr['line']})" for fr in dg.finding_frames(f)[-3:]]
         out.append({"entry": top and top["id"], "category": top and top["category"],
                     "title": top and top["title"], "suggest": (top or {}).get("suggest") or {},
+                    "action": dg.action_of(top) if top else dg.action_of(None, dg.categorize([f]).name),
                     "root_exception": hs.redactor(str(f.get("root_exception") or "")),
                     "final_exception": hs.redactor(str(f.get("final_exception") or "")),
                     "last_frames": [hs.redactor(x) for x in frames], "ranks": f.get("ranks") or []})

@@ -129,6 +129,16 @@ def batches(hosts: list[str], serial: int | None) -> list[list[str]]:
 
 # -- the coordinator ------------------------------------------------------------------------------------
 
+def drain_reason(done: dict) -> str | None:
+    """A crash whose known issue says "drain host" (NCCL on this host, its limits, its driver): the
+    host leaves the study, since every point would fail there alike. (A category guessed from the
+    evidence alone never takes a host out.)"""
+    f = next((f for f in done.get("findings") or [] if f.get("entry") and f.get("action") == "drain host"), None)
+    if f is None:
+        return None
+    return f"its crash says drain host: {f['entry']}: {f.get('root_exception') or ''}".rstrip(": ")
+
+
 class HostDropped(ServopsError):
     exit_code = 3
 
@@ -229,9 +239,12 @@ class Fleet:
             self.trials[t.id] = t
 
     def still_there(self, runner: Runner, done: dict) -> None:
-        """After a trial that failed: is its host still reachable? If not, it drops out."""
+        """After a trial that failed: is its host still reachable, and fit to go on? If not, it drops out."""
         if done.get("outcome") in GOOD:
             return
+        reason = drain_reason(done)
+        if reason:
+            raise HostDropped(reason)
         try:
             releases.ctl(runner.hs, "status")
         except ServopsError as exc:

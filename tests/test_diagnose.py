@@ -106,7 +106,9 @@ def test_report_prints_log_text_verbatim_and_redacted():
     out = buf.getvalue()
     assert "ValueError: bad [/] value [bold]x[/bold] token=***" in out
     assert '/x/[bold]/mod.py:3 in run' in out and 'call("[/]")' in out
-    assert rep.verdict == "no known issue matched — 1 error(s) found"
+    # no known issue: the category its words point to, with what to do next
+    assert rep.verdict.startswith("no known issue matched — category ") and "; action: " in rep.verdict
+    assert rep.verdict.endswith(" — 1 error(s) found") and "category: " in out and "evidence: ValueError: bad" in out
 
 
 def test_deploy_hint_command():
@@ -184,11 +186,13 @@ def test_offline_json_needs_no_host(tmp_path):
     assert rows[0]["category"] == "quantization" and rows[0]["entry"] == "quantization-needs-newer-gpu"
     assert rows[0]["ranks"] == ["TP0"] and rows[0]["frames"] == 1 and "root_exception" in rows[0]
     assert {"final_exception", "category", "entry", "frames", "ranks"} <= set(rows[1])
-    assert res.stderr.strip().endswith("matched: quantization-needs-newer-gpu (quantization)")
+    assert res.stderr.strip().endswith("matched: quantization-needs-newer-gpu (quantization); action: change flag --quantization")
+    assert rows[0]["action"] == "change flag --quantization" and rows[0]["category_from"] == "known issue"
     res = run_invoke("diagnose", "-o", "-l", str(REAL / "sglang-10350-segfault-pd.log"), env=env)
     assert res.returncode == 1
-    assert res.stdout.strip().splitlines()[-1] == \
-        "no known issue matched — the server ended abnormally: Fatal Python error: Segmentation fault"
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("no known issue matched — category ") and "; action: " in last
+    assert last.endswith(" — the server ended abnormally: Fatal Python error: Segmentation fault")
     clean = tmp_path / "clean.log"
     clean.write_text("[2026-01-01 00:00:00] The server is fired up and ready to roll!\n")
     res = run_invoke("diagnose", "-o", "-l", str(clean), env=env)
@@ -234,7 +238,8 @@ def test_diagnose_the_crash_on_the_host_then_see_the_patch(lab, remote_env):
         assert "flashinfer/jit/cpp_ext.py:73 in get_cuda_version  (flashinfer-python 0.7.2.post1, same code)" in out
         assert '>   73          txt = subprocess.check_output([nvcc, "--version"], text=True)' in out
         assert "-> _thread.allocate_lock" in out and "call chain" in out
-        assert out.strip().splitlines()[-1] == "matched: dynamo-get-cuda-version-subprocess (dynamo-trace)"
+        assert out.strip().splitlines()[-1] == ("matched: dynamo-get-cuda-version-subprocess (dynamo-trace); "
+                                                  "action: apply patch cuda-version-no-subprocess")
         # after the patch, the same frames are marked as patched, and the logged line is no longer the host's
         assert run_invoke("patch.apply", "cuda-version-no-subprocess", inventory=inv).returncode == 0
         res = run_invoke("diagnose", inventory=inv)
@@ -252,7 +257,8 @@ def test_diagnose_a_local_log_on_the_host(lab):
     # the log's /usr/local/lib/python3.12/dist-packages/flashinfer frames resolve in the host's venv
     assert "flashinfer/jit/cpp_ext.py:73 in get_cuda_version  (flashinfer-python 0.7.2.post1, same code)" in res.stdout
     assert "/usr/lib/python3.12/subprocess.py:828 in __init__" in res.stdout
-    assert res.stdout.strip().splitlines()[-1] == "matched: dynamo-get-cuda-version-subprocess (dynamo-trace)"
+    assert res.stdout.strip().splitlines()[-1] == ("matched: dynamo-get-cuda-version-subprocess (dynamo-trace); "
+                                                  "action: apply patch cuda-version-no-subprocess")
     res = run_invoke("diagnose", "--json", "--log", str(FIXTURES / "sglang_tp8_oom_and_nccl.log"), inventory=inv)
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["entry"] for r in rows] == ["cuda-oom-graph-capture", "nccl-watchdog-timeout"]

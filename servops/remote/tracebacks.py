@@ -73,7 +73,7 @@ _ERROR_CLASSES = [
                            # a shell's report of its child's death (`line 18:  1669 Illegal instruction  (core dumped) python ...`)
                            r"^(?:Illegal instruction|Aborted|Floating point exception|Trace/breakpoint trap)\s*$|"
                            r"\b\d+ (?:Illegal instruction|Segmentation fault|Aborted|Killed|Bus error|Floating point exception)\s|"
-                           r"illegal hardware instruction|"
+                           r"illegal hardware instruction|Caught signal (?!(?:2|15)\b)\d+|"
                            # a launcher reporting its child's death (TGI's shard manager, mpirun); not
                            # SIGINT/SIGTERM, which is how a server is stopped
                            r"(?:signaled to shutdown with|exited on|killed by|terminated by) signal (?!(?:2|15)\b)\d+")),
@@ -522,6 +522,12 @@ class _Stream(object):
                 break
             exc["last"] = self.lines[i].no
             i += 1
+        if exc["type"] is None and header:
+            # an excerpt cut before the exception line: the header names its class
+            # (`OutOfMemoryError                          Traceback (most recent call last)`)
+            hm = _IPY_HEADER.match(self.text(start))
+            if hm and _looks_exception(hm.group("type")):
+                exc["type"] = hm.group("type")
         return exc, self.details(i, exc)
 
     def _message_above(self, i):
@@ -826,6 +832,11 @@ def _repeats(text, chain):
     return False
 
 
+# A reporter's sentence that introduces the log ("Error: it crashes when I ... Log below:"): never
+# the root when an exception follows it.
+_PROSE = _re.compile(r"\b(?:[Bb]elow|the following|as follows)\b[^.]*[:.]?\s*$|(?:^|\s)(?:I|I'm|I've|my|we) ")
+
+
 def summarise(f):
     """Root and final exception of a failure, as the user reads them."""
     strong = [e for e in f["errors"] if e["class"] not in _CONSEQUENCE and e["class"] not in _WEAK]
@@ -836,8 +847,9 @@ def summarise(f):
             root, final = describe(typed[0]), describe(f["chain"][-1])
             # an error printed above the traceback (a kernel's CUDA error) is the earlier cause,
             # unless it only repeats the exception (a logger's message, a repr of it)
-            if strong and strong[0]["line"] < f["chain"][0]["line"] and not _repeats(strong[0]["text"], f["chain"]):
-                root = strong[0]["text"]
+            said = [e for e in strong if not _PROSE.search(e["text"])]
+            if said and said[0]["line"] < f["chain"][0]["line"] and not _repeats(said[0]["text"], f["chain"]):
+                root = said[0]["text"]
         elif f["fatal"] or f["abort"]:
             # frames without their exception line, then the process died: the death says more
             root = final = _death(f)
@@ -850,6 +862,10 @@ def summarise(f):
             root = causes[0]["text"] if causes else (context or final)
     elif f["abort"] or f["fatal"]:
         root = final = _death(f)
+        # a kernel's device-side assert (or another error line) printed before the C++ abort that
+        # reports it (`terminate called ... c10::Error`, what(): device-side assert triggered) is its cause
+        if strong and strong[0]["line"] < (f["abort"] or f["fatal"])["line"]:
+            root = strong[0]["text"]
     elif f["errors"]:
         causes = causes or f["errors"]
         root, final = causes[0]["text"], f["errors"][-1]["text"]
@@ -909,6 +925,120 @@ def ended_abnormally(lines):
         if inside and found is None and last.level not in _QUIET_TRACEBACK:
             found = {"line": last.no, "text": t.strip()[:300], "how": "mid-traceback"}
     return found
+
+
+# Signs of a failure in a log where no traceback, abort, fatal dump or error line was found: a
+# failure is never reported clean (issue 38). Strong signs count at any log level: a signal
+# (`Caught signal 7 (Bus error)` above an empty ChildFailedError), a vendor's error tag
+# (`[TensorRT-LLM][ERROR] Assertion failed: ...`), a failed assertion, an exception written as
+# its constructor (`ValueError("` with the message on the next line), a CUDA/NCCL error or an
+# out of memory inside a warning, a timeout or a wait given up.
+_SIGNS = [
+    ("signal", _re.compile(r"Caught signal \d+|\bSIG(?:SEGV|BUS|ABRT|ILL|FPE|KILL)\b|\bBus error\b|Segmentation fault|core dumped")),
+    ("vendor", _re.compile(r"^\[[^\]\n]{1,40}\]\[(?:ERROR|FATAL|CRITICAL|E|F)\]")),
+    ("assert", _re.compile(r"\bAssertion\b.{0,300}\bfailed|\b[Aa]ssert(?:ion)? failed|\bAssertionError\b")),
+    ("constructor", _re.compile(r"(?<![\w.])(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception))\(\s*(?P<rest>[\"'].*|$)")),
+    ("cuda", _re.compile(r"\bCUDA error\b|\bcudaError\w+|\bNCCL (?:error|WARN)\b|\bout of memory\b|\bOOM\b|"
+                         r"illegal memory access|device-side assert|\bsegfault")),
+    ("timeout", _re.compile(r"(?i)\btimed out\b|\btime ?out\b(?!\s*[=:])(?:\s+\d+\s*s\b)?.{0,40}?\b(?:error|expired|reached|"
+                            r"exceeded|while|after|waiting)\b|deadline exceeded|\b(?:gave|giving) up\b|did not (?:become|get) ready|"
+                            r"never became ready|(?:startup|health[- ]check|wait(?:ing)?|ready)\S* .{0,60}\btimeout\b")),
+]
+_SIGN_WORDS = ("ignal", "SIG", "Bus error", "Segmentation", "core dumped", "][", "ssert", "Error(", "Exception(", "CUDA",
+               "cuda", "NCCL", "out of memory", "OOM", "imed out", "imeout", "deadline", "gave up", "giving up", "ready",
+               "illegal memory", "device-side", "segfault")
+# Weak signs, any level: failure words. They count where the log shows no server that went on
+# (loaded, started, served: _SERVED) after them, and never in a line that says the server handled it and went on, or in one
+# that only waits for something still starting.
+_SIGN_WEAK = _re.compile(r"(?i)\b(?:error|errors|failed|failure|fatal|exception|crash(?:es|ed|ing)?|abort(?:ed)?|panic|"
+                         r"could not|couldn't|cannot|unable to)\b")
+_SIGN_HANDLED = _re.compile(r"(?i)\b(?:ignor(?:e|ed|ing)|retry|retrying|will retry|falling back|fall back|skipp(?:ing|ed)|"
+                            r"disabled|disabling|continuing|deprecated|failed to connect|connection refused|"
+                            r"health check failed|not ready|waiting|is pending|0 errors?|no errors?|errors?=0|"
+                            r"error_?(?:rate|count)|\w+_error\w*=|if you (?:see|get|encounter))\b|=\s*(?:False|None|True)\b|"
+                            r"Warning: |\bif\b[^.]{0,60}\b(?:occurs?|happens?|encounter\w*|you see|you get)\b|\bconsider\b|"
+                            r"\b(?:may|might|can) (?:\w+ ){0,3}(?:fail|error|crash)|"
+                            # torch's c10d on a host without a resolvable name: harmless, said at every start
+                            r"hostname of the client socket cannot be retrieved")
+_IGNORED = _re.compile(r"(?i)\bignor(?:e|ed|ing)\b")
+_SERVED = _re.compile(r"Uvicorn running on|Application startup complete|The server is fired up|\b200 OK\b|HTTP/1\.1\\?\" 200|"
+                      r"Avg (?:prompt|generation) throughput|Decode batch|Prefill batch|Started server process|"
+                      r"Connected|[Rr]eady to (?:roll|serve)|[Ss]erver (?:is )?(?:started|ready|listening)|"
+                      r"Starting (?:the )?(?:HTTP|API) server|Available routes are|Route: /|Warming up|"
+                      r"Capturing (?:cuda|CUDA) graph|Graph capturing finished|KV cache|Loading (?:safetensors|weights)|"
+                      r"Model loading took|Memory profiling takes|Loading model weights took|Load weight end")
+_HANG_REPEATS = 20  # the same notice this many times at the end of the log, nothing served: a wait that never ended
+
+
+def _sign_text(kind, m, lines, k):
+    """What a sign says, as the root a user reads: a constructor's message joined from the next line."""
+    t = lines[k].text.strip()
+    if kind == "constructor":
+        rest = m.group("rest").strip().strip("\"'),").strip()
+        if not rest and k + 1 < len(lines):
+            rest = lines[k + 1].text.strip().strip("\"'),").strip()
+        return "%s: %s" % (m.group("type"), rest) if rest else t
+    return t
+
+
+def failure_signs(lines):
+    """[{line, text, class}]: the lines showing a failure in a log nothing else found one in,
+    strongest first (at most 8): strong signs at any level, then weak ones where no server that
+    started or served follows them, then a notice repeated until the log ends."""
+    strong, weak = [], []
+    served_after = None  # the last line showing a server that went on (loaded, started, served)
+    for ln in lines:
+        if any(w in ln.text for w in ("running", "complete", "fired", "200", "throughput", "batch", "Started", "Connected",
+                                      "eady", "erver", "Starting", "routes", "Route", "Warming", "apturing", "KV cache",
+                                      "Loading", "took", "takes", "Load weight")) and _SERVED.search(ln.text):
+            served_after = ln.no
+    stop_requested = None
+    for k, ln in enumerate(lines):
+        t = ln.text
+        s = t.strip()
+        if not s:
+            continue
+        if ("SIG" in t or "ignal" in t) and _STOP_REQUESTED.search(t):
+            stop_requested = ln.no
+        if stop_requested is not None:
+            continue  # a stop that was asked for: what the processes say while stopping is no failure
+        if any(w in t for w in _SIGN_WORDS):
+            for kind, rx in _SIGNS:
+                m = rx.search(t)
+                if m and kind == "constructor" and m.start() > len(t) - len(t.lstrip()) and m.group("rest").strip() not in "\"'":
+                    m = None  # a repr inside a message (`with ImportError('...')`): what the message says decides
+                if m and not (kind in ("assert", "cuda", "timeout") and (_CARRIES_ON.search(t) or _IGNORED.search(t))):
+                    strong.append({"class": "sign-" + kind, "text": _sign_text(kind, m, lines, k)[:400], "line": ln.no})
+                    break
+            else:
+                m = None
+            if m:
+                continue
+        if (ln.level in ("ERROR", "CRITICAL", "FATAL") or _SIGN_WEAK.search(t)) and not _SIGN_HANDLED.search(t) \
+                and (served_after is None or served_after < ln.no):
+            weak.append({"class": "sign-error", "text": s[:400], "line": ln.no})
+    signs = strong + weak
+    if not signs and lines and served_after is None:
+        masked = [_mask(ln.text.strip()) for ln in lines if ln.text.strip()]
+        last = masked[-1] if masked else ""
+        run = 0
+        for m in reversed(masked):
+            if m != last:
+                break
+            run += 1
+        if run >= _HANG_REPEATS:
+            ln = next(ln for ln in reversed(lines) if ln.text.strip())
+            signs.append({"class": "sign-hang", "text": "%s (the same notice %d times until the log ends)"
+                          % (ln.text.strip()[:300], run), "line": ln.no})
+    return signs[:8]
+
+
+def _sign_finding(signs):
+    f = {"kind": "signs", "chain": [], "links": [], "abort": None, "fatal": None, "errors": signs, "cxx": None,
+         "line": min(s["line"] for s in signs), "last": max(s["line"] for s in signs), "rank": "", "cut_above": False,
+         "ranks": ["main"], "occurrences": 1}
+    f["root_exception"], f["final_exception"] = signs[0]["text"], signs[-1]["text"]
+    return f
 
 
 def scan(text):
@@ -974,8 +1104,13 @@ def scan(text):
         f["root_exception"], f["final_exception"] = summarise(f)
         by_sig[sig] = f
         findings.append(f)
+    ended = ended_abnormally(lines)
+    if not findings and ended is None:
+        signs = failure_signs(lines)
+        if signs:
+            findings.append(_sign_finding(signs))
     result = {"findings": findings[:_MAX_FINDINGS], "more": max(0, len(findings) - _MAX_FINDINGS), "lines": len(lines),
-              "ended": ended_abnormally(lines)}
+              "ended": ended}
     if newest_first(text[:400000].splitlines()):  # (the lines normalise() judged by)
         result["newest_first"] = True  # (read oldest first: its line numbers count from the oldest line)
     return result
