@@ -387,6 +387,7 @@ class Completion(_Stream):
         self.chunks = self.chars = self.kept = 0
         self.usage = None
         self.empty_is_token = empty_is_token
+        self.first_empty = None
 
     def event(self, t, obj):
         usage = obj.get("usage")
@@ -400,6 +401,8 @@ class Completion(_Stream):
                 raise StreamError("choices is %s, not a list of objects" % _clip(choices))
             piece = choices[0].get("text")
             if not piece and not (piece == "" and self.empty_is_token):
+                if piece == "" and self.first_empty is None:
+                    self.first_empty = t  # a token whose text the detokenizer holds back (or decodes to "")
                 return
             if not isinstance(piece, str):
                 raise StreamError("choices[0].text is %s, not text" % _clip(piece))
@@ -435,6 +438,13 @@ class Completion(_Stream):
             rec["output_len"], rec["usage_source"] = n, "usage"
             prompt = usage.get("prompt_tokens")
             rec["server_prompt_tokens"] = None if prompt is None else self.count(prompt, "usage.prompt_tokens", False)
+            if self.chunks == 0 and n > 0 and self.first_empty is not None:
+                # Every token decoded to "" (a random-weight model's ids, seen on the real sglang 0.5.17 with
+                # the block-FP8 tiny model): the server streamed a chunk per token and its usage counts them.
+                # That is a served request, not a failed one (sglang's bench_serving counts it too); its
+                # first token is the first chunk.
+                rec["ttft"] = self.first_empty - rec["start"]
+                return finish_record(rec, n, self.reply)
         return finish_record(rec, self.chunks, self.reply)
 
 
