@@ -36,3 +36,18 @@ def test_piecewise_resolves_the_fix_set_of_each_release(version, expected):
     resolved, rules = resolve(load_variant("piecewise"), version)
     assert resolved["patches"] == expected
     assert any("+patch flashinfer-fp8-blockscale-custom-op" in r for r in rules) == (len(expected) == 2)
+
+
+def test_diagnose_names_the_gpu_crashes_and_the_healthy_capture():
+    """The server.logs of the H100 run (bench/evidence/seed-sm90/): the flashinfer patch alone is the
+    JIT-loader crash, with the fix it names; the complete set's log is a healthy server."""
+    from conftest import REPO, run_invoke
+
+    evidence = REPO / "bench" / "evidence" / "seed-sm90"
+    res = run_invoke("diagnose", "--log", str(evidence / "server-flashinfer-patch-alone.log"), "--offline")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "matched: dynamo-flashinfer-jit-loader (dynamo-trace)" in res.stdout
+    assert "flashinfer-fp8-blockscale-custom-op" in res.stdout
+    assert "dynamo-get-cuda-version-subprocess" not in res.stdout
+    res = run_invoke("diagnose", "--log", str(evidence / "server-complete-fix-set.log"), "--offline")
+    assert res.returncode == 0 and "no errors found" in res.stdout, res.stdout
