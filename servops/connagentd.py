@@ -21,6 +21,7 @@ from .inventory import Host, Inventory, load_inventory
 from .warmrunner import Outcome, WarmRunners
 
 WATCH_EVERY = 2.0  # seconds between checks of the files the agent's key depends on
+PROBE_TIMEOUT = 1.0  # the host connection must answer a keepalive within this, before each command
 
 
 class _State:
@@ -92,6 +93,35 @@ class _Spare:
         if chan is None or chan.closed:
             chan = self.transport.open_session(timeout=timeout)
         return chan
+
+
+class _Probe:
+    """Whether the host connection still answers, asked before each command: a keepalive
+    request whose reply must come within PROBE_TIMEOUT. A connection that is up but wedged (the
+    sshd serving it stopped, a dead route that TCP has not noticed) fails it; the command then
+    goes the direct way, provably not started here, and the agent retires. Probes run one at a
+    time (paramiko tracks one pending global request); once one failed, the rest fail at once."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.lock = threading.Lock()
+        self.failed = False
+
+    def alive(self) -> bool:
+        with self.lock:
+            if self.failed:
+                return False
+            answered = threading.Event()
+
+            def ask() -> None:
+                try:
+                    self.transport.global_request("keepalive@openssh.com", wait=True)
+                except Exception:
+                    pass
+                answered.set()
+            threading.Thread(target=ask, daemon=True).start()
+            self.failed = not answered.wait(PROBE_TIMEOUT) or not self.transport.is_active()
+            return not self.failed
 
 
 def _hosts_from(spec: dict) -> tuple[Host, Inventory]:
@@ -231,7 +261,8 @@ def _run_warm(sock: socket.socket, runners: WarmRunners, python: str, frames: Fr
     return [("I", program), ("i", b"")]
 
 
-def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners, state: _State, lost) -> None:
+def _handle(sock: socket.socket, transport, probe: _Probe, spare: _Spare, runners: WarmRunners, state: _State,
+            lost) -> None:
     chan = None
     try:
         if peer_uid(sock) != os.getuid():
@@ -246,6 +277,11 @@ def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners,
             state.retire()
             return
         if request.get("op") != "run":
+            return
+        if not probe.alive():
+            sock.sendall(json_frame("F", {"error": f"the host connection did not answer within {PROBE_TIMEOUT:g}s"}))
+            sys.stderr.write(f"the host connection did not answer a keepalive within {PROBE_TIMEOUT:g}s: retired\n")
+            state.retire()
             return
         state.persist = float(request.get("persist") or state.persist)
         started = False
@@ -275,7 +311,7 @@ def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners,
         if chan is not None:
             chan.close()
         sock.close()
-        if not transport.is_active():
+        if not transport.is_active() or probe.failed:
             state.retire()
         state.done()
 
@@ -307,6 +343,7 @@ def serve(spec: dict) -> int:
         transport = conn.client.get_transport()
         transport.set_keepalive(15)
         state = _State(float(spec["persist"]), warnings)
+        probe = _Probe(transport)
         spare = _Spare(transport, sshconnect.connect_timeout(host))
         runners = WarmRunners(transport, sshconnect.connect_timeout(host), float(spec["persist"]))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -326,7 +363,8 @@ def serve(spec: dict) -> int:
             if select.select([listener], [], [], 1.0)[0]:
                 client, _ = listener.accept()
                 state.begin()
-                threading.Thread(target=_handle, args=(client, transport, spare, runners, state, sshconnect.LOST),
+                threading.Thread(target=_handle, args=(client, transport, probe, spare, runners, state,
+                                                                sshconnect.LOST),
                                  daemon=True).start()
             if state.idle_for() > state.persist or not transport.is_active():
                 break
@@ -346,6 +384,8 @@ def serve(spec: dict) -> int:
         # No new commands from here; those running finish (a `logs -f` keeps its connection).
         state.retire()
         listener.close()
+        if probe.failed:
+            conn.close()  # wedged: nothing more comes through it; what waits on it ends now
         with state.cond:
             while state.active:
                 state.cond.wait(1.0)
