@@ -229,9 +229,11 @@ class HostSession:
         """End, on the host, the processes of the command marked `mark` (given up on: it keeps
         running there otherwise); what was done, as a clause of the error line."""
         from . import remote, shell
+        from .releases import deploy_root
 
+        args = {"mark": mark, "deploy_root": deploy_root(self.host)}  # its release guards are kept
         try:
-            res = self.run(shell.python_stdin(self.host.python), stdin=remote.with_args("end_command", {"mark": mark}),
+            res = self.run(shell.python_stdin(self.host.python), stdin=remote.with_args("end_command", args),
                            timeout=END_TIMEOUT)
             done = json.loads(res.stdout.strip().splitlines()[-1])
             ended = int(done["ended"])

@@ -8,6 +8,7 @@ benchmarks."""
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import subprocess
@@ -127,24 +128,46 @@ def test_a_timed_out_run_ends_its_whole_process_tree(lab, agents, way):
 
 
 def test_a_host_program_that_outlives_its_timeout_is_ended(lab):
-    """Any verb's host program (here `python -`, as every servops program runs), not only `run`."""
+    """Any verb's host program (here `python -`, as every servops program runs), not only `run`;
+    a release guard it started (it outlives its command on purpose) is kept."""
     from servops.errors import CommandFailed
     from servops.inventory import load_inventory
+    from servops.releases import deploy_root
     from servops.shell import python_stdin
     from servops.transport import Session
 
     inventory = load_inventory(lab.inventory())
+    host = inventory.hosts["lab1"]
+    record = Path(os.path.expanduser(deploy_root(host))) / "releases" / "r1" / "guard.pid"
+    record.parent.mkdir(parents=True, exist_ok=True)
     tag = f"servops-h5-{uuid.uuid4().hex[:8]}"
-    sleeper = f"[sys.executable, '-c', 'import time; time.sleep(1000)', '{tag}']"
-    program = (f"import os, subprocess, sys\nprint(os.getpid(), flush=True)\nsubprocess.Popen({sleeper})\n"
-               f"subprocess.Popen({sleeper}, start_new_session=True)\nwhile True: sum(range(10 ** 6))\n")
+    sleeper = "[sys.executable, '-c', 'import time; time.sleep(1000)', {!r}]"
+    program = textwrap.dedent(f"""
+        import json, os, subprocess, sys
+        print(os.getpid(), flush=True)
+        subprocess.Popen({sleeper.format(tag)})
+        subprocess.Popen({sleeper.format(tag)}, start_new_session=True)
+        guard = subprocess.Popen({sleeper.format(tag + "-guard")}, start_new_session=True)
+        with open("/proc/%d/stat" % guard.pid) as fh:
+            starttime = fh.read().rsplit(")", 1)[1].split()[19]
+        with open({str(record)!r}, "w") as fh:
+            json.dump({{"pid": guard.pid, "starttime": starttime}}, fh)
+        while True:
+            sum(range(10 ** 6))
+        """)
     printed = []
-    with Session(inventory) as session:
-        hs = session.host(inventory.hosts["lab1"])
-        with pytest.raises(CommandFailed, match=r"timed out after 2s and was ended on the host \(\d+ processes\)"):
-            hs.run(python_stdin(hs.host.python), stdin=program, timeout=2, on_output=printed.append)
-    assert gone(int("".join(printed).split()[0]), within=5)  # the program burning a core
-    assert left_running(tag) == []  # and its children, one in a session of its own
+    try:
+        with Session(inventory) as session:
+            hs = session.host(host)
+            with pytest.raises(CommandFailed, match=r"timed out after 3s and was ended on the host \(\d+ processes\)"):
+                hs.run(python_stdin(hs.host.python), stdin=program, timeout=3, on_output=printed.append)
+        assert gone(int("".join(printed).split()[0]), within=5)  # the program burning a core
+        assert left_running(f"{tag} ") == []  # its children (one in a session of its own): ended
+        assert [p for p in left_running(tag) if f"{tag}-guard" in p]  # the release guard: kept
+    finally:
+        guard = json.loads(record.read_text())["pid"] if record.exists() else None
+        if guard:
+            os.kill(guard, signal.SIGKILL)
 
 
 def test_a_run_refused_for_its_output_exits_1(lab, monkeypatch):
@@ -305,8 +328,6 @@ print(json.dumps({{"flags": sorted(p._option_string_actions), "unchecked": p.ser
 
 
 def static_read(tmp_path: Path, engine: str, files: dict) -> dict:
-    import json
-
     for rel, text in files.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
