@@ -96,11 +96,13 @@ class _Spare:
 
 
 class _Probe:
-    """Whether the host connection still answers, asked before each command: a keepalive
-    request whose reply must come within PROBE_TIMEOUT. A connection that is up but wedged (the
-    sshd serving it stopped, a dead route that TCP has not noticed) fails it; the command then
-    goes the direct way, provably not started here, and the agent retires. Probes run one at a
-    time (paramiko tracks one pending global request); once one failed, the rest fail at once."""
+    """Whether the host connection still answers, asked at each command: a keepalive request
+    whose reply must come within PROBE_TIMEOUT. A connection that is up but wedged (the sshd
+    serving it stopped, a dead route that TCP has not noticed) fails it; the command then goes
+    the direct way, provably not started here, and the agent retires. An exec waits for it (one
+    round trip); a warm program is handed to the warm runner meanwhile, whose taking it answers
+    as well. Probes run one at a time (paramiko tracks one pending global request); once one
+    failed, the rest fail at once."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -122,6 +124,11 @@ class _Probe:
             threading.Thread(target=ask, daemon=True).start()
             self.failed = not answered.wait(PROBE_TIMEOUT) or not self.transport.is_active()
             return not self.failed
+
+    def in_background(self) -> threading.Thread:
+        thread = threading.Thread(target=self.alive, daemon=True)
+        thread.start()
+        return thread
 
 
 def _hosts_from(spec: dict) -> tuple[Host, Inventory]:
@@ -241,19 +248,22 @@ def _collect_stdin(sock: socket.socket, frames: Frames, early: list[tuple[str, b
 
 
 def _run_warm(sock: socket.socket, runners: WarmRunners, python: str, frames: Frames,
-              early: list[tuple[str, bytes]]) -> list[tuple[str, bytes]] | None:
+              early: list[tuple[str, bytes]], probe: _Probe) -> list[tuple[str, bytes]] | None:
     """A warm program run by the host's warm interpreter, if one is ready and free: None when it
     ran (or its client went), else the client's stdin as frames, for the ordinary way (`S` is
     already sent then). [] when no runner took it: the ordinary way, from the start."""
     runner = runners.get(python)
     if not runner.acquire():
         return []
+    probing = probe.in_background()
     sock.sendall(frame("S"))
     program = _collect_stdin(sock, frames, early)
     if program is None:
         runner.release()
         return None
-    outcome = runner.run(program, sock)
+    outcome = runner.run(program, sock, abandon=lambda: probe.failed)
+    if outcome == Outcome.NOT_RUN:
+        probing.join()
     if outcome == Outcome.LOST:
         sock.sendall(json_frame("L", {"error": "the host's warm interpreter ended mid-command"}))
     if outcome != Outcome.NOT_RUN:
@@ -278,19 +288,21 @@ def _handle(sock: socket.socket, transport, probe: _Probe, spare: _Spare, runner
             return
         if request.get("op") != "run":
             return
-        if not probe.alive():
-            sock.sendall(json_frame("F", {"error": f"the host connection did not answer within {PROBE_TIMEOUT:g}s"}))
-            sys.stderr.write(f"the host connection did not answer a keepalive within {PROBE_TIMEOUT:g}s: retired\n")
-            state.retire()
-            return
         state.persist = float(request.get("persist") or state.persist)
         started = False
         if isinstance(request.get("warm"), str):
-            stdin = _run_warm(sock, runners, request["warm"], frames, early)
+            stdin = _run_warm(sock, runners, request["warm"], frames, early, probe)
             if stdin is None:
                 return
             if stdin:  # the runner did not run it: the ordinary way, `S` already sent
                 early, started = stdin, True
+        if (probe.failed if started else not probe.alive()):  # (a warm hand-off probed already)
+            # nothing ran: `F`, or `N` once `S` went (a warm hand-off that did not happen)
+            sock.sendall(json_frame("N" if started else "F",
+                                    {"error": f"the host connection did not answer within {PROBE_TIMEOUT:g}s"}))
+            sys.stderr.write(f"the host connection did not answer a keepalive within {PROBE_TIMEOUT:g}s: retired\n")
+            state.retire()
+            return
         try:
             chan = spare.take(float(request["timeout"]))
         except lost as exc:

@@ -20,6 +20,7 @@ from typing import Callable
 
 from . import interrupt
 from .chanend import CommandEnd
+from .connagent import NotStarted
 from .errors import CommandFailed, InventoryError, ServopsError, TransportError
 from .inventory import Host, Inventory, lab_hint
 from .redact import Redactor
@@ -205,7 +206,11 @@ class HostSession:
         self.round_trips += 1
         mark = secrets.token_hex(8)
         try:
-            exited, out, err = _exec(self._start(marked(command, mark), timeout, warm), stdin, timeout, on_output)
+            try:
+                exited, out, err = _exec(self._start(marked(command, mark), timeout, warm), stdin, timeout, on_output)
+            except NotStarted:  # through an agent whose connection turned out wedged: direct
+                self._via_agent = False
+                exited, out, err = _exec(self._start(marked(command, mark), timeout, warm), stdin, timeout, on_output)
         except OutputTooLarge:
             ended = self._end_command(mark)
             raise CommandFailed(f"{self.host.name}: the remote command sent more than {MAX_OUTPUT >> 20} MiB of "

@@ -116,9 +116,10 @@ class WarmRunner:
         if chan is not None:
             chan.close()
 
-    def run(self, program: bytes, sock) -> str:
+    def run(self, program: bytes, sock, abandon=lambda: False) -> str:
         """Run `program` (acquired first), relaying its output and status to the client `sock`
-        as agent frames. A client that goes has the program killed. Releases the runner."""
+        as agent frames. A client that goes has the program killed. Releases the runner.
+        `abandon()` true before the runner took the program (the connection is wedged): given up."""
         chan, frames = self._chan, self._frames
         output_sent = client_gone = taken = False
         held = True
@@ -126,7 +127,7 @@ class WarmRunner:
             chan.sendall(frame("P", program))
             handoff_by = time.monotonic() + HANDOFF_TIMEOUT
             while True:
-                if not taken and time.monotonic() > handoff_by:
+                if not taken and (time.monotonic() > handoff_by or abandon()):
                     self._give_up()  # it runs nothing it is sent later: its stdin is closed
                     return Outcome.NOT_RUN
                 if not client_gone and select.select([sock], [], [], 0)[0] and not sock.recv(1 << 16):

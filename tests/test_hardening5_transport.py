@@ -91,6 +91,25 @@ def test_a_wedged_agent_connection_is_bypassed_at_once_and_the_agent_retires(lab
             os.kill(p, signal.SIGCONT)
 
 
+def test_a_warm_program_on_a_wedged_agent_connection_goes_direct(agent_session, agents, lab):
+    hs = agent_session.hs
+    until_warm(hs)  # the warm runner is ready: the program is handed to it, the probe runs beside
+    time.sleep(0.5)
+    wedged = sshd_sessions(lab.sshd_hosts(0).proc.pid)
+    for p in wedged:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        res = run_invoke("inspect", "--file", "flashinfer/jit/cpp_ext.py", "--lines", "60:62",
+                         inventory=agent_session.inventory, env=agents.env, timeout=150)
+        assert res.returncode == 0 and "cpp_ext.py" in res.stdout, res.stdout + res.stderr
+        assert time.monotonic() - began < 10  # the runner's hand-off given up with the failed probe
+        assert gone(agent_session.pid, within=10)
+    finally:
+        for p in wedged:
+            os.kill(p, signal.SIGCONT)
+
+
 # -- 2. a stopped warm runner -------------------------------------------------------------------
 
 def test_a_stopped_warm_runner_is_given_up_and_the_next_inspect_is_prompt(agent_session, agents):
