@@ -208,7 +208,8 @@ def test_a_run_refused_for_its_output_exits_1(lab, monkeypatch):
 # -- 4. the warm runner's view of what a fresh python loads --------------------------------------
 
 HOOK = "import builtins\nbuiltins.SERVOPS_H5_HOOK = 'hooked'\n"
-SEES = "import builtins, sys\nprint(getattr(builtins, 'SERVOPS_H5_HOOK', None), sorted(p for p in sys.path if 'h5dir' in p))\n"
+SEES = ("import builtins, sys\n"
+        "print(getattr(builtins, 'SERVOPS_H5_HOOK', None), sorted(p for p in sys.path if 'h5dir' in p))\n")
 
 
 def sees(hs, warm: bool) -> str:
@@ -282,7 +283,8 @@ HOSTILE_SGLANG = {
 
         class Base0:
             base_field: int = 0
-        """) + "".join(f"B{i + 1} = B{i} + B{i}\n" for i in range(40)) + _chain("Base0", "f{i}: int = 0") + textwrap.dedent("""
+        """) + "".join(f"B{i + 1} = B{i} + B{i}\n" for i in range(40)) + _chain("Base0", "f{i}: int = 0")
+    + textwrap.dedent("""
         @dataclasses.dataclass
         class ServerArgs(Base24):
             model_path: str = None
