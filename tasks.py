@@ -249,7 +249,7 @@ def metrics(c, watch=0.0, json=False, hosts=None, inventory=None):
     from servops import metrics as m
 
     def scrape_all():
-        run = on_hosts(inventory, hosts, lambda hs: (OK, "", m.scrape(hs)))
+        run = on_hosts(inventory, hosts, m.scrape_host)
         run.recap.machine_output = json
         return [row for _h, row in run.each()], run.recap
 

@@ -23,8 +23,9 @@ payload. Client -> agent: `R` request (JSON; `warm`: the remote python, for one 
 short read-only programs, which the agent may run in the host's warm interpreter:
 servops.warmrunner), `I` stdin bytes, `i` end of stdin. Agent ->
 client: `A` accepted (JSON: pid, known_hosts warnings), then `S` started or `F` could not open
-a channel (JSON error), then `o`/`e` stdout/stderr bytes, and `x` exit status or `L` connection
-lost (JSON error).
+a channel or its connection did not answer a keepalive (JSON error), then `o`/`e` stdout/stderr
+bytes, and `x` exit status or `L` connection lost (JSON error); or, right after `S`, `N` not
+run after all (JSON error: a warm program on a connection found wedged).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ CONNECTION_VARS = ("ssh_host", "ssh_port", "ssh_user", "ssh_key", "known_hosts",
 
 class AgentLost(OSError):
     """The agent reported the host connection lost mid-command, or went away itself."""
+
+
+class NotStarted(Exception):
+    """The agent, having said it started a command, did not run it after all (a warm program its
+    runner did not take, on a connection found wedged): it may run elsewhere, as never started."""
 
 
 # -- where agents live, and what they are keyed by ---------------------------------------------
@@ -209,6 +215,7 @@ class AgentChannel:
         self._out, self._err, self._outgoing = bytearray(), bytearray(), bytearray()
         self._status: int | None = None
         self._error: str | None = None
+        self._not_started: str | None = None
         self._handle(early)
 
     def fileno(self) -> int:
@@ -224,10 +231,12 @@ class AgentChannel:
                 self._status = int(payload)
             elif kind == "L":
                 self._error = _error_text(payload)
+            elif kind == "N":
+                self._not_started = _error_text(payload)
 
     def _pump(self) -> None:
         self._flush()
-        if self._status is not None or self._error is not None:
+        if self._status is not None or self._error is not None or self._not_started is not None:
             return
         try:
             data = self._sock.recv(1 << 18)
@@ -288,6 +297,8 @@ class AgentChannel:
 
     def exit_status_ready(self) -> bool:
         self._pump()
+        if self._not_started is not None:
+            raise NotStarted(self._not_started)
         if self._error is not None and not self._out and not self._err:
             raise AgentLost(self._error)
         return self._status is not None

@@ -21,6 +21,7 @@ from .inventory import Host, Inventory, load_inventory
 from .warmrunner import Outcome, WarmRunners
 
 WATCH_EVERY = 2.0  # seconds between checks of the files the agent's key depends on
+PROBE_TIMEOUT = 1.0  # the host connection must answer a keepalive within this, before each command
 
 
 class _State:
@@ -92,6 +93,42 @@ class _Spare:
         if chan is None or chan.closed:
             chan = self.transport.open_session(timeout=timeout)
         return chan
+
+
+class _Probe:
+    """Whether the host connection still answers, asked at each command: a keepalive request
+    whose reply must come within PROBE_TIMEOUT. A connection that is up but wedged (the sshd
+    serving it stopped, a dead route that TCP has not noticed) fails it; the command then goes
+    the direct way, provably not started here, and the agent retires. An exec waits for it (one
+    round trip); a warm program is handed to the warm runner meanwhile, whose taking it answers
+    as well. Probes run one at a time (paramiko tracks one pending global request); once one
+    failed, the rest fail at once."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.lock = threading.Lock()
+        self.failed = False
+
+    def alive(self) -> bool:
+        with self.lock:
+            if self.failed:
+                return False
+            answered = threading.Event()
+
+            def ask() -> None:
+                try:
+                    self.transport.global_request("keepalive@openssh.com", wait=True)
+                except Exception:
+                    pass
+                answered.set()
+            threading.Thread(target=ask, daemon=True).start()
+            self.failed = not answered.wait(PROBE_TIMEOUT) or not self.transport.is_active()
+            return not self.failed
+
+    def in_background(self) -> threading.Thread:
+        thread = threading.Thread(target=self.alive, daemon=True)
+        thread.start()
+        return thread
 
 
 def _hosts_from(spec: dict) -> tuple[Host, Inventory]:
@@ -211,19 +248,22 @@ def _collect_stdin(sock: socket.socket, frames: Frames, early: list[tuple[str, b
 
 
 def _run_warm(sock: socket.socket, runners: WarmRunners, python: str, frames: Frames,
-              early: list[tuple[str, bytes]]) -> list[tuple[str, bytes]] | None:
+              early: list[tuple[str, bytes]], probe: _Probe) -> list[tuple[str, bytes]] | None:
     """A warm program run by the host's warm interpreter, if one is ready and free: None when it
     ran (or its client went), else the client's stdin as frames, for the ordinary way (`S` is
     already sent then). [] when no runner took it: the ordinary way, from the start."""
     runner = runners.get(python)
     if not runner.acquire():
         return []
+    probing = probe.in_background()
     sock.sendall(frame("S"))
     program = _collect_stdin(sock, frames, early)
     if program is None:
         runner.release()
         return None
-    outcome = runner.run(program, sock)
+    outcome = runner.run(program, sock, abandon=lambda: probe.failed)
+    if outcome == Outcome.NOT_RUN:
+        probing.join()
     if outcome == Outcome.LOST:
         sock.sendall(json_frame("L", {"error": "the host's warm interpreter ended mid-command"}))
     if outcome != Outcome.NOT_RUN:
@@ -231,7 +271,8 @@ def _run_warm(sock: socket.socket, runners: WarmRunners, python: str, frames: Fr
     return [("I", program), ("i", b"")]
 
 
-def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners, state: _State, lost) -> None:
+def _handle(sock: socket.socket, transport, probe: _Probe, spare: _Spare, runners: WarmRunners, state: _State,
+            lost) -> None:
     chan = None
     try:
         if peer_uid(sock) != os.getuid():
@@ -250,11 +291,18 @@ def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners,
         state.persist = float(request.get("persist") or state.persist)
         started = False
         if isinstance(request.get("warm"), str):
-            stdin = _run_warm(sock, runners, request["warm"], frames, early)
+            stdin = _run_warm(sock, runners, request["warm"], frames, early, probe)
             if stdin is None:
                 return
             if stdin:  # the runner did not run it: the ordinary way, `S` already sent
                 early, started = stdin, True
+        if (probe.failed if started else not probe.alive()):  # (a warm hand-off probed already)
+            # nothing ran: `F`, or `N` once `S` went (a warm hand-off that did not happen)
+            sock.sendall(json_frame("N" if started else "F",
+                                    {"error": f"the host connection did not answer within {PROBE_TIMEOUT:g}s"}))
+            sys.stderr.write(f"the host connection did not answer a keepalive within {PROBE_TIMEOUT:g}s: retired\n")
+            state.retire()
+            return
         try:
             chan = spare.take(float(request["timeout"]))
         except lost as exc:
@@ -275,7 +323,7 @@ def _handle(sock: socket.socket, transport, spare: _Spare, runners: WarmRunners,
         if chan is not None:
             chan.close()
         sock.close()
-        if not transport.is_active():
+        if not transport.is_active() or probe.failed:
             state.retire()
         state.done()
 
@@ -307,6 +355,7 @@ def serve(spec: dict) -> int:
         transport = conn.client.get_transport()
         transport.set_keepalive(15)
         state = _State(float(spec["persist"]), warnings)
+        probe = _Probe(transport)
         spare = _Spare(transport, sshconnect.connect_timeout(host))
         runners = WarmRunners(transport, sshconnect.connect_timeout(host), float(spec["persist"]))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -326,7 +375,8 @@ def serve(spec: dict) -> int:
             if select.select([listener], [], [], 1.0)[0]:
                 client, _ = listener.accept()
                 state.begin()
-                threading.Thread(target=_handle, args=(client, transport, spare, runners, state, sshconnect.LOST),
+                threading.Thread(target=_handle, args=(client, transport, probe, spare, runners, state,
+                                                                sshconnect.LOST),
                                  daemon=True).start()
             if state.idle_for() > state.persist or not transport.is_active():
                 break
@@ -346,6 +396,8 @@ def serve(spec: dict) -> int:
         # No new commands from here; those running finish (a `logs -f` keeps its connection).
         state.retire()
         listener.close()
+        if probe.failed:
+            conn.close()  # wedged: nothing more comes through it; what waits on it ends now
         with state.cond:
             while state.active:
                 state.cond.wait(1.0)

@@ -28,6 +28,13 @@ class TransportError(ServopsError):
     exit_code = 3
 
 
+class CommandFailed(TransportError):
+    """The host answered, but its command did not finish as asked (timed out, flooded its output):
+    a failed operation on a reachable host, not an unreachable one."""
+
+    exit_code = 1
+
+
 class HostKeyError(TransportError):
     """A host key that is unknown, changed or revoked: refused before anything, like bad input."""
 

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from . import engines
 from .errors import ServopsError
+from .output import OK
 from .remote_exec import run_program
 from .transport import HostSession
 
@@ -235,12 +236,21 @@ def scrape(hs: HostSession) -> dict:
     data = summarise(parse(res["text"], where))
     data["gpus"] = parse_gpu_csv(res.get("gpu_csv") or "")
     data["host"] = hs.host.name
+    if res.get("cut_at"):
+        data["cut"] = (f"/metrics is over {int(res['cut_at']) >> 20} MiB: only its first "
+                       f"{int(res['cut_at']) >> 20} MiB were read (whole lines)")
     key = f"{hs.host.name}:{port}"
     with _previous_lock:
         prev = _previous.get(key)
         _previous[key] = (at, data)
     data["window"] = window(prev[1], data, at - prev[0]) if prev else None
     return data
+
+
+def scrape_host(hs: HostSession) -> tuple[str, str, dict]:
+    """One host's scrape as a recap entry: ok, saying so when /metrics was cut."""
+    data = scrape(hs)
+    return OK, data.get("cut") or "", data
 
 
 def _fmt(v, scale=1.0, digits=1):

@@ -9,7 +9,9 @@ holding a connection for the next command, as OpenSSH's ControlPersist does.
 from __future__ import annotations
 
 import codecs
+import json
 import os
+import secrets
 import select
 import threading
 import time
@@ -18,7 +20,8 @@ from typing import Callable
 
 from . import interrupt
 from .chanend import CommandEnd
-from .errors import InventoryError, TransportError
+from .connagent import NotStarted
+from .errors import CommandFailed, InventoryError, ServopsError, TransportError
 from .inventory import Host, Inventory, lab_hint
 from .redact import Redactor
 
@@ -50,6 +53,16 @@ class OutputTooLarge(Exception):
 # a chatty server for days costs no memory; a host that floods any other command is refused.
 MAX_OUTPUT = 512 << 20
 KEEP_STREAMED = 16 << 20
+
+# Each command line starts by marking its processes' environment with an id of its own, so that
+# a command given up on (timed out) can be ended on the host with everything it started
+# (servops/remote/end_command.py), whether or not its processes kept its session or group.
+COMMAND_ENV = "SERVOPS_COMMAND"
+END_TIMEOUT = 15  # seconds for ending a timed-out command's processes
+
+
+def marked(command: str, mark: str) -> str:
+    return f"export {COMMAND_ENV}={mark}\n{command}"
 
 
 def _exec(chan, stdin: str | bytes | None, timeout: float,
@@ -191,14 +204,21 @@ class HostSession:
         """
         timeout = timeout or int(self.host.get("command_timeout", DEFAULT_COMMAND_TIMEOUT))
         self.round_trips += 1
+        mark = secrets.token_hex(8)
         try:
-            exited, out, err = _exec(self._start(command, timeout, warm), stdin, timeout, on_output)
+            try:
+                exited, out, err = _exec(self._start(marked(command, mark), timeout, warm), stdin, timeout, on_output)
+            except NotStarted:  # through an agent whose connection turned out wedged: direct
+                self._via_agent = False
+                exited, out, err = _exec(self._start(marked(command, mark), timeout, warm), stdin, timeout, on_output)
         except OutputTooLarge:
-            raise TransportError(f"{self.host.name}: the remote command sent more than {MAX_OUTPUT >> 20} MiB of "
-                                 f"output; refusing the rest: {self.redactor(command)[:200]}") from None
+            ended = self._end_command(mark)
+            raise CommandFailed(f"{self.host.name}: the remote command sent more than {MAX_OUTPUT >> 20} MiB of "
+                                f"output; refusing the rest{ended}: {self.redactor(command)[:200]}") from None
         except CommandTimeout:
-            raise TransportError(
-                f"{self.host.name}: remote command timed out after {timeout}s: {self.redactor(command)[:200]}"
+            ended = self._end_command(mark)
+            raise CommandFailed(
+                f"{self.host.name}: remote command timed out after {timeout}s{ended}: {self.redactor(command)[:200]}"
             ) from None
         except self._lost as exc:
             self._drop()
@@ -209,6 +229,24 @@ class HostSession:
             detail = self.redactor(lines[-1]) if lines else ""
             raise TransportError(f"{self.host.name}: remote command failed (exit {result.exited}): {detail}")
         return result
+
+    def _end_command(self, mark: str) -> str:
+        """End, on the host, the processes of the command marked `mark` (given up on: it keeps
+        running there otherwise); what was done, as a clause of the error line."""
+        from . import remote, shell
+        from .releases import deploy_root
+
+        args = {"mark": mark, "deploy_root": deploy_root(self.host)}  # its release guards are kept
+        try:
+            res = self.run(shell.python_stdin(self.host.python), stdin=remote.with_args("end_command", args),
+                           timeout=END_TIMEOUT)
+            done = json.loads(res.stdout.strip().splitlines()[-1])
+            ended = int(done["ended"])
+        except (ServopsError, ValueError, LookupError, TypeError) as exc:
+            return f" (its processes on the host could not be ended: {self.redactor(str(exc))[:200]})"
+        if not ended:
+            return " (nothing of it was left running on the host)"
+        return f" and was ended on the host ({ended} process{'es' if ended > 1 else ''})"
 
     def _drop(self) -> None:
         """After a lost connection: the next command connects afresh; no agent is left behind."""

@@ -7,7 +7,8 @@ interpreter on a channel of its connection; each such program is sent to it and 
 fork of it, and the command costs one round trip. The runner is started in the background by
 the first warm command (which itself runs the ordinary way), serves one program at a time (a
 second one meanwhile runs the ordinary way), and is given up when it reports itself stale
-(its interpreter or sys.path changed on the host) or dies; a program it provably did not start
+(what its interpreter loaded at start changed on the host), dies, or does not take a program
+within HANDOFF_TIMEOUT (stopped, starved); a program it provably did not start
 then runs the ordinary way, so no command ever fails for the runner's sake.
 It holds one of sshd's MaxSessions per python while the agent lives.
 """
@@ -26,6 +27,7 @@ from .connagent import Frames, frame
 BOOT = "import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline()),'<servops-warm-runner>','exec'))"
 RETRY_AFTER = 60.0  # seconds before a runner that failed to start is tried again
 IDLE_MARGIN = 60.0  # the runner outlives its agent's idle time by this much, at most
+HANDOFF_TIMEOUT = 2.0  # a runner that has not taken a program by then is given up (stopped, starved)
 
 
 def boot_command(python: str) -> str:
@@ -114,15 +116,20 @@ class WarmRunner:
         if chan is not None:
             chan.close()
 
-    def run(self, program: bytes, sock) -> str:
+    def run(self, program: bytes, sock, abandon=lambda: False) -> str:
         """Run `program` (acquired first), relaying its output and status to the client `sock`
-        as agent frames. A client that goes has the program killed. Releases the runner."""
+        as agent frames. A client that goes has the program killed. Releases the runner.
+        `abandon()` true before the runner took the program (the connection is wedged): given up."""
         chan, frames = self._chan, self._frames
-        output_sent = client_gone = False
+        output_sent = client_gone = taken = False
         held = True
         try:
             chan.sendall(frame("P", program))
+            handoff_by = time.monotonic() + HANDOFF_TIMEOUT
             while True:
+                if not taken and (time.monotonic() > handoff_by or abandon()):
+                    self._give_up()  # it runs nothing it is sent later: its stdin is closed
+                    return Outcome.NOT_RUN
                 if not client_gone and select.select([sock], [], [], 0)[0] and not sock.recv(1 << 16):
                     client_gone = True
                     chan.sendall(frame("k"))
@@ -131,6 +138,8 @@ class WarmRunner:
                     self._give_up()
                     return Outcome.LOST if output_sent else Outcome.NOT_RUN
                 for kind, payload in got:
+                    if kind == "a":
+                        taken = True
                     if kind == "s":  # stale: it ran nothing and exits
                         self._give_up()
                         return Outcome.NOT_RUN

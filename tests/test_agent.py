@@ -336,12 +336,19 @@ def test_deploy_ctrl_c_and_logs_follow_through_the_agent(counted, agents, lab, t
         assert os.readlink(root / "current").split("/")[-1] == good
         follower = subprocess.Popen([sys.executable, "-m", "invoke", "logs", "-f", "--lines", "0"], cwd=REPO, env=env,
                                     stdout=subprocess.PIPE, text=True)
-        time.sleep(3)
-        with open(root / "current" / "server.log", "a") as fh:
-            fh.write("a line written while following\n")
-        time.sleep(2)
+        # a line written every half second until one comes through (however long a loaded
+        # machine takes to start following: the follower reads from the log's size at its start)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(follower.stdout.readline()), daemon=True)
+        reader.start()
+        deadline = time.time() + 30
+        while reader.is_alive() and time.time() < deadline:
+            with open(root / "current" / "server.log", "a") as fh:
+                fh.write("a line written while following\n")
+            reader.join(0.5)
         follower.terminate()
-        assert "a line written while following" in follower.communicate(timeout=10)[0]
+        follower.communicate(timeout=10)
+        assert got == ["a line written while following\n"]
         # its program on the host goes with its channel: nothing left tailing
         deadline = time.time() + 10
         while time.time() < deadline and remote_programs(lab.sshd_hosts(0).port):

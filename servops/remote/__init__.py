@@ -20,7 +20,8 @@ _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
              "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts"],
              "host_facts": ["procs", "launch_facts"],
              "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts"],
-             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"]}
+             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"],
+             "end_command": ["procs"]}
 
 # Programs that only read the host and end within seconds: a warm connection agent may run them
 # in its host-side warm interpreter (warm_runner.py) rather than on a fresh `python -`. Anything

@@ -142,14 +142,7 @@ class _VllmSource(_Source):
     def tree(self, module):
         if module not in self.trees:
             path = self.path_of(module) if module.split(".")[0] == "vllm" else None
-            tree = None
-            if path:
-                try:
-                    with open(path, encoding="utf-8") as fh:
-                        tree = ast.parse(fh.read(), path)
-                except (OSError, SyntaxError, ValueError):
-                    tree = None
-            self.trees[module] = tree
+            self.trees[module] = self.parse(path) if path else None
         return self.trees[module]
 
 
@@ -193,6 +186,7 @@ class _StaticVllmBuilder(_StaticBuilder):
         self.src = _VllmSource(pkg_dir)
         self.deprecated = set()
         self.fields_cache = {}
+        self.mro_cache = {}
 
     # -- classes and their dataclass fields
     def _class(self, module, expr):
@@ -207,11 +201,20 @@ class _StaticVllmBuilder(_StaticBuilder):
         return out
 
     def _mro(self, ref, depth=0):
-        out = [ref]
-        if depth < 12:
-            for base in self._bases(ref):
-                out.extend(r for r in self._mro(base, depth + 1) if all(r.node is not o.node for o in out))
-        return out
+        """ref and its bases, depth first, each once; each class's computed once (a deep
+        hierarchy that repeats its bases is not walked again per path), a cycle cut."""
+        key = id(ref.node)
+        if key not in self.mro_cache:
+            self.mro_cache[key] = [ref]  # while it is computed: a cycle back to it ends there
+            out, seen = [ref], {key}
+            if depth < 12:
+                for base in self._bases(ref):
+                    for r in self._mro(base, depth + 1):
+                        if id(r.node) not in seen:
+                            seen.add(id(r.node))
+                            out.append(r)
+            self.mro_cache[key] = out
+        return self.mro_cache[key]
 
     def _method(self, ref, name, after=None):
         """(class ref, FunctionDef) of `name` on ref's MRO (after the class `after`, for super())."""
@@ -230,6 +233,7 @@ class _StaticVllmBuilder(_StaticBuilder):
         key = (ref.module, ref.node.name)
         if key in self.fields_cache:
             return self.fields_cache[key]
+        self.fields_cache[key] = []  # while it is read: a class among its own bases adds nothing
         order, found = [], {}
         for base in reversed(self._bases(ref)):
             for name, ann, module in self._fields(base):
@@ -493,11 +497,14 @@ class _StaticVllmBuilder(_StaticBuilder):
 
     def run_method(self, parser, ref, func, env, depth):
         """Interpret one method body (add_cli_args / _customize_cli_kwargs / make_arg_parser)."""
-        if depth > 8:
+        if depth > 8 or self.src.spent():
             return None
         module = ref.module if ref is not None else self.module
         returned = None
         for stmt in _statements(func.body):
+            if self.src.spent():
+                break
+            self.src.work += 1
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
                 target, value = stmt.targets[0], stmt.value
                 if isinstance(target, ast.Name):

@@ -7,10 +7,13 @@
 # Frames both ways: a kind byte, a 4-byte big-endian length, the payload.
 #   agent -> runner: P program text (run it; its stdin is /dev/null, its arguments are in it)
 #                    k (kill the program running now: its client went)
-#   runner -> agent: r ready (JSON: pid, python), then per program: o/e output bytes, x exit
-#                    status; or s (stale: this interpreter or its sys.path changed since it
-#                    started -- nothing ran, and the runner exits: the agent runs the program
-#                    the ordinary way and starts a fresh runner)
+#   runner -> agent: r ready (JSON: pid, python), then per program: a (taken: it runs now),
+#                    o/e output bytes, x exit status; or s (stale: what this interpreter loaded
+#                    at its start changed since -- nothing ran, and the runner exits: the agent
+#                    runs the program the ordinary way and starts a fresh runner)
+# An agent that gets no `a` (or `s`) soon after sending a program gives the runner up (a stopped
+# or starved runner) and runs the program the ordinary way; the runner, should it go on, finds
+# its stdin closed and runs nothing more.
 # The runner ends at its stdin's EOF (the agent or its connection went), or when no program
 # came for _IDLE_S seconds (set by the agent before this text: its own idle time and a margin),
 # should its connection be held open by something between (a proxy, a half-dead NAT).
@@ -22,16 +25,34 @@ OUT = sys.stdout.buffer
 IDLE_S = float(globals().get("_IDLE_S") or 3600)
 
 
-def fingerprint():
-    """What a forked program inherits from this process and a fresh python would see anew:
-    the interpreter file and the sys.path directories (a pip install or a new .pth changes them)."""
+def loaded_files():
+    """What this interpreter read at its start, which a fresh python would read anew: the
+    interpreter, the file of every module it imported (sitecustomize, usercustomize, what a .pth
+    line imported), every .pth file of its sys.path directories, and those directories (a new
+    file in one, a pip install, changes its listing)."""
+    files = [sys.executable] + [p for p in sys.path if p]
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            files.append(path)
+    for directory in [p for p in sys.path if p]:
+        try:
+            files.extend(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            pass
+    return sorted(set(files))
+
+
+def fingerprint(files):
+    """The files' identity and content as stat tells it (ctime too: a write or a utime moves it,
+    and nothing sets it back), None for one that is gone. Any change: the runner is stale."""
     parts = []
-    for path in [sys.executable] + [p for p in sys.path if p]:
+    for path in files:
         try:
             st = os.stat(path)
-            parts.append((path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+            parts.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         except OSError:
-            parts.append((path, None))
+            parts.append(None)
     return parts
 
 
@@ -151,7 +172,8 @@ def run(program, reader):
 
 
 def main():
-    started = fingerprint()
+    files = loaded_files()
+    started = fingerprint(files)
     reader = Reader()
     send(b"r", ('{"pid": %d, "python": "%s"}' % (os.getpid(), sys.version.split()[0])).encode())
     while True:
@@ -164,9 +186,14 @@ def main():
         kind, payload = got
         if kind != b"P":
             continue  # a `k` for a program that already ended
-        if fingerprint() != started:
+        if select.select([0], [], [], 0)[0]:
+            reader.fill()
+            if reader.eof:
+                return  # the agent gave up waiting for this program's hand-off: it runs elsewhere
+        if fingerprint(files) != started:
             send(b"s")
             return
+        send(b"a")
         run(payload.decode("utf-8", "surrogateescape"), reader)
         if reader.eof:
             return
