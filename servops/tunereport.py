@@ -23,7 +23,7 @@ from pathlib import Path
 from .campaign import Campaign
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
-from .tune import diagnosis_line, log_path, min_gain, read_log, standings, trial_states
+from .campaignrecord import diagnosis_line, fleet_dir, fleet_winner, log_path, min_gain, read_log, standings, trial_states
 
 METRIC_COLUMNS = (("output_tps", "output tok/s"), ("ttft_p99", "TTFT p99 ms"), ("tpot_p50", "TPOT p50 ms"),
                   ("e2e_p50", "e2e p50 ms"))
@@ -175,8 +175,6 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
     """A fleet campaign's report data: every host's rows (collect), each with its `host`; the
     verdicts and the winner the fleet's (each objective relative to its own host's base); each
     host's base row named base@host."""
-    from .tunefleet import fleet_dir, fleet_winner
-
     datas, done_by_host = {}, {}
     for h in hosts:
         try:
