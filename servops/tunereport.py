@@ -20,12 +20,12 @@ import json
 import re
 from pathlib import Path
 
-from .campaign import Campaign
-from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
-from .redact import MASK, is_secret_name
 from . import verdict
+from .campaign import Campaign
 from .campaignrecord import (diagnosis_line, fleet_dir, fleet_winner, log_path, min_gain, read_log, rebench_runs,
                              standings, start_text, trial_runs, trial_states)
+from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
+from .redact import MASK, is_secret_name
 
 METRIC_COLUMNS = (("output_tps", "output tok/s"), ("ttft_p99", "TTFT p99 ms"), ("tpot_p50", "TPOT p50 ms"),
                   ("e2e_p50", "e2e p50 ms"))
@@ -384,7 +384,6 @@ def rule_text(data: dict) -> str:
         return (f"{camp.confidence * 100:g}% intervals, noise {noise.how}" if noise else
                 f"{camp.confidence * 100:g}% intervals, no noise measured")
     return f"min_gain {data['min_gain'] * 100:.1f}% ({data['min_gain_how']})"
-
 
 
 def _md(value) -> str:
