@@ -592,9 +592,11 @@ def lab_down(c, hosts=None, inventory=None):
     "storage": "search: random/tpe: the Optuna study's database URL (postgresql://user@host/db) to share one "
                "study between controllers; default: study.db beside the campaign's trials.jsonl.",
     "serial": "Several hosts: leave the winner deployed N hosts at a time (default: all at once).",
+    "warm-start": "search: random/tpe: ask first the best points of earlier campaigns (this objective) that ran "
+                  "on the same engine, engine version and model; the report says where each came from.",
 })
 def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=False, hosts=None,  # noqa: D417
-             inventory=None, storage=None, serial=0):
+             inventory=None, storage=None, serial=0, warm_start=False):
     """Run a tuning campaign on one host, or on several alike hosts at once: deploy, bench, diagnose each trial.
 
     Every trial is journaled here and on the host; a crash whose known issue names a patch is
@@ -618,7 +620,12 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
         from servops.study import open_study
 
         open_study(camp.name, storage, camp.search, camp.objective.sense, camp.seed, camp.max_trials)  # reachable?
+    if warm_start and camp.search == "grid":
+        raise ServopsError(f"--warm-start: campaign {camp.name} is a grid (search: grid), which runs every point "
+                           "anyway; warm start is for search: random or tpe")
     inv, targets = select(inventory, hosts)
+    if warm_start and len(targets) > 1:
+        raise ServopsError("--warm-start: give one host (-H); a fleet campaign's study starts from its own trials")
     if dry_run:
         run = on_hosts(inventory, ",".join(h.name for h in targets), lambda hs: (lambda rows: (
             CHANGED, f"would run {sum(r['state'] == 'would run' for r in rows)} trial(s) (check mode)", rows))(
@@ -643,7 +650,8 @@ def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=Fa
             return OK, f"campaign finished earlier (winner {s['winner'] or 'none'}); deployed now: {s['current']}", s
         return CHANGED, f"winner {s['winner'] or 'none'}, deployed: {s['current']}; log {s['log']}", s
 
-    run = on_hosts(inventory, host.name, lambda hs: finished(tune.run_campaign(hs, camp, resume, verbose, storage)))
+    run = on_hosts(inventory, host.name, lambda hs: finished(tune.run_campaign(hs, camp, resume, verbose, storage,
+                                                                                   warm_start)))
     return run.recap
 
 

@@ -16,6 +16,10 @@
       maximize: output_tps@1024           # or minimize: p99_ttft_ms@256
       constraints: ["p99_ttft_ms@256 <= 2000", "failed == 0"]
       min_gain: 2%                        # a smaller difference is a tie (default: the base's noise)
+      max_repeats: 2                      # bench a trial again while its verdict is unsure, up to N runs;
+                                          # then re-bench the top few and choose by the interval's lower bound
+      confidence: 80%                     # the intervals' level (default 80%)
+      rebench_top: 3                      # how many finalists the end re-bench takes (default 3)
     budget: {max_trials: 20, max_wall_time: 12h}
     auto_patch: true                      # a crash whose known issue names a patch: retry once with it
     leave: best                           # or base
@@ -75,6 +79,11 @@ def _gain_ok(value: Any) -> str | None:
     return None if parse_gain(value) is not None else "expected a share like 2% (or 0.02), from 0 to below 100%"
 
 
+def _confidence_ok(value: Any) -> str | None:
+    level = parse_gain(value)
+    return None if level is not None and 0.5 <= level < 1 else "expected a level like 80% (or 0.8), from 50% to below 100%"
+
+
 _SCALAR_OR_LIST = Field("any", nullable=True)
 _GRID_VALUES = Field("any", check=search.axis_problem)  # a value list, or a range (servops/search.py)
 CANDIDATE = {
@@ -107,7 +116,8 @@ CAMPAIGN = {
     "bench": Field("record", fields=BENCH),
     "objective": Field("record", fields={
         "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str")),
-        "min_gain": Field("any", check=_gain_ok)}),
+        "min_gain": Field("any", check=_gain_ok), "max_repeats": Field("int", 1, MAX_REPEAT),
+        "confidence": Field("any", check=_confidence_ok), "rebench_top": Field("int", 2, 10)}),
     "budget": Field("record", fields={
         "max_trials": Field("int", 1, MAX_TRIALS),
         "max_wall_time": Field("any", check=parse_duration)}),
@@ -159,7 +169,7 @@ class Campaign:
     bench: dict
     objective: Objective
     constraints: list
-    min_gain: float | None          # None: the base's measured noise band (see tune.min_gain)
+    min_gain: float | None          # None: the base's measured noise band (see campaignrecord.min_gain)
     max_trials: int | None
     max_wall_s: float | None
     auto_patch: bool
@@ -168,6 +178,14 @@ class Campaign:
     search: str = "grid"
     seed: int | None = None
     spaces: list = field(default_factory=list)    # search.Space per grid candidate (random / tpe)
+    start_constraints: list = field(default_factory=list)   # StartCondition: bounds on the start-up
+    max_repeats: int = 1            # >= 2: sequential verdicts (servops.verdict); 1: one run per trial
+    confidence: float = 0.8         # the intervals' level
+    rebench_top: int = 3            # the finalists the end re-bench takes
+
+    @property
+    def sequential(self) -> bool:
+        return self.max_repeats > 1
 
 
 def _fail(path: Path, key: str, message: str) -> CampaignError:
@@ -190,9 +208,41 @@ def _objective(path: Path, spec: dict, levels: list[int]) -> Objective:
     return Objective(senses[0], metric, int(m[2]), written)
 
 
+START_METRICS = ("start_s", "capture_s", "piecewise_capture_s", "compile_s", "init_s")
+_START = re.compile(r"\s*(%s)\s*(<=|<|>=|>)\s*(\d+(?:\.\d+)?)\s*(s|min)?\s*" % "|".join(START_METRICS))
+
+
+@dataclass(frozen=True)
+class StartCondition:
+    """A bound on a trial's start-up: `start_s <= 900` (time to healthy) or an engine's own timed
+    phase (capture_s, compile_s, ...: what its log says, servops.engines)."""
+    metric: str
+    op: str
+    seconds: float
+    written: str
+
+    def check(self, times: dict) -> tuple[bool, str]:
+        """(met, the line the report shows); a phase the log did not time is not held against it."""
+        value = times.get(self.metric)
+        if value is None:
+            return True, f"{self.written} ({self.metric} not timed by this start)"
+        return gatemod.OPS[self.op](value, self.seconds), f"{self.written} ({self.metric} = {value:.1f})"
+
+
+def start_conditions(texts: list[str]) -> list[StartCondition]:
+    out = []
+    for text in texts:
+        m = _START.fullmatch(str(text))
+        if m:
+            out.append(StartCondition(m[1], m[2], float(m[3]) * (60 if m[4] == "min" else 1), " ".join(str(text).split())))
+    return out
+
+
 def _constraints(path: Path, texts: list[str], levels: list[int], slo: str | None) -> list:
-    """The gate grammar; `failed == 0` (or `failed <= N%`) is the allowed error rate at every level."""
+    """The gate grammar; `failed == 0` (or `failed <= N%`) is the allowed error rate at every level.
+    Start-up bounds (`start_s <= 900`) are start_conditions', not the bench's."""
     terms, error_rate = [], 0.0
+    texts = [t for t in texts if not _START.fullmatch(str(t))]
     for i, text in enumerate(texts):
         m = re.fullmatch(r"\s*failed\s*(==|<=)\s*(\d+(\.\d+)?)\s*(%?)\s*", text)
         if m:
@@ -388,4 +438,8 @@ def load_campaign(name_or_path: str) -> Campaign:
                     max_wall_s=seconds(budget["max_wall_time"]) if budget.get("max_wall_time") else None,
                     auto_patch=bool(data.get("auto_patch", False)), leave=data.get("leave", "best"),
                     drift_after_s=seconds(data["drift_check_after"]) if data.get("drift_check_after") else None,
-                    search=strategy, seed=data.get("seed"), spaces=spaces or [])
+                    search=strategy, seed=data.get("seed"), spaces=spaces or [],
+                    start_constraints=start_conditions(data["objective"].get("constraints") or []),
+                    max_repeats=data["objective"].get("max_repeats", 1),
+                    confidence=parse_gain(data["objective"].get("confidence", 0.8)),
+                    rebench_top=data["objective"].get("rebench_top", 3))

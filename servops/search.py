@@ -205,3 +205,49 @@ def point_of(spaces: list[Space], params: dict) -> tuple[Space, dict] | None:
             return None
         point[(a.section, a.key)] = params[name]
     return space, point
+
+
+def predicted_crash(point: dict, history: list[tuple[dict, bool]], min_crashes: int = 2) -> str | None:
+    """Why `point` would crash, from the points run so far ((point, crashed) pairs): one of its
+    flag values that every trial holding it crashed with (at least `min_crashes` of them), and
+    that alone explains one of those crashes -- no other value of that trial only ever crashed
+    (so a value that merely rode along with the real culprit is not blamed). None: no such
+    value. The search's own learning from crashes, beside TPE's constraint: a value that has
+    only ever crashed is not deployed again."""
+    outcomes: dict = {}
+    for p, crashed in history:
+        for kv in p.items():
+            outcomes.setdefault(kv, []).append(crashed)
+    crash_only = {kv for kv, seen in outcomes.items() if len(seen) >= min_crashes and all(seen)}
+    for kv in point.items():
+        seen = outcomes.get(kv) or []
+        if len(seen) < min_crashes or not all(seen):
+            continue
+        if any(p.get(kv[0]) == kv[1] and not any(other in crash_only for other in p.items() if other != kv)
+               for p, _crashed in history):
+            return f"every trial with {kv[0][1]} = {kv[1]} crashed ({len(seen)} of {len(seen)})"
+    return None
+
+
+def params_of(spaces: list[Space], spec: dict) -> dict | None:
+    """The Optuna params that ask for a setting (`spec`: {"server_args": {...}, "env": {...}}, as a
+    trials log records it) in these spaces: the first space whose every axis the setting gives a
+    value the axis allows (None: no space holds it). For --warm-start."""
+    for space in spaces:
+        params = {SPACE_PARAM: space.name} if len(spaces) > 1 else {}
+        for a in space.axes:
+            value = (spec.get(a.section) or {}).get(a.key)
+            if not _allowed(a, value):
+                break
+            params[param_name(spaces, space, a)] = value
+        else:
+            return params
+    return None
+
+
+def _allowed(a: Axis, value: Any) -> bool:
+    if a.choices is not None:
+        return any(value == c and type(value) is type(c) for c in a.choices)
+    if not _is_num(value) or not a.low <= value <= a.high or (a.integer and not isinstance(value, int)):
+        return False
+    return a.step is None or value in a.values()

@@ -236,11 +236,54 @@ def reclaim_own(study, storage, host: str, ownerless_after_s: float = GRACE_S) -
 
 
 def counted(study) -> int:
-    """Trials the budget counts: every one asked, less those reclaimed (their retry counts) and
-    those waiting in the queue."""
+    """Trials the budget counts: every one asked, less those reclaimed (their retry counts), those
+    waiting in the queue, duplicates and points not deployed because they would crash."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
     reclaimed = {t.user_attrs.get("reclaims") for t in trials if t.user_attrs.get("reclaims") is not None}
     return sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in reclaimed
-               and not t.user_attrs.get("reclaimed_as") and not t.user_attrs.get("same_as"))
+               and not t.user_attrs.get("reclaimed_as") and not t.user_attrs.get("same_as")
+               and not t.user_attrs.get("predicted"))
+
+
+def worst_value(study, direction: str) -> float:
+    """The worst objective among the study's finished trials (0.0 before any)."""
+    from optuna.trial import TrialState
+
+    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    if not values:
+        return 0.0
+    return min(values) if direction == "maximize" else max(values)
+
+
+def tell_outcome(study, ot, outcome: str | None, objective: float | None = None, constraint_lines: list[str] = (),
+                 reason: str = "", crash_teaches: bool = True) -> None:
+    """A trial's outcome, told to the study. A value with its constraints (a line per condition,
+    "pass..." or "FAIL..."); a pruned trial PRUNED, its constraints violated; a crash (what
+    auto_patch could not mend) a violated constraint at the worst value seen, with its diagnosis
+    as the reason: TPE then ranks its neighbourhood below every feasible point and stops
+    proposing it (a FAIL teaches TPE nothing); anything else (a host that failed, a refusal)
+    FAIL. crash_teaches=False: a crash is a FAIL (before issue 40; bench/tune_crashes.py)."""
+    from optuna.trial import TrialState
+
+    ot.set_user_attr("outcome", outcome or "failed")
+    if outcome in ("ok", "infeasible") and objective is not None:
+        values = [0.0 if line.startswith("pass") else 1.0 for line in constraint_lines] or [
+            0.0 if outcome == "ok" else 1.0]
+        ot.set_user_attr("constraints", values)
+        set_constraints(ot, values)
+        study.tell(ot, float(objective))
+    elif outcome == "pruned":
+        ot.set_user_attr("constraints", [1.0])
+        set_constraints(ot, [1.0])
+        ot.set_user_attr("pruned", reason)
+        study.tell(ot, state=TrialState.PRUNED)
+    elif outcome == "crashed" and crash_teaches:
+        ot.set_user_attr("constraints", [1.0])
+        ot.set_user_attr("reason", str(reason or "crashed")[:500])
+        set_constraints(ot, [1.0])
+        study.tell(ot, worst_value(study, study.direction.name.lower()))
+    else:
+        ot.set_user_attr("reason", str(reason or outcome or "no result")[:500])
+        study.tell(ot, state=TrialState.FAIL)

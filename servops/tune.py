@@ -27,11 +27,14 @@ import io
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import bench, interrupt, localfiles, releases, threadout
+from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
+from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, log_path, objective_text,
+                             is_number, read_log, rebench_runs, standings, start_text, trial_runs, trial_states)
+from .campaignrecord import done_entries as logged_done
+from .campaignrecord import min_gain
 from .deploy import deploy_group, preflight
 from .errors import ServopsError
 from .gate import num
@@ -41,100 +44,9 @@ from .redact import redact_values, variant_secrets
 from .remote import jsonl
 from .render import render_launch
 from .transport import HostSession
+from .tunereport import print_summary
 
-DEFAULT_MIN_GAIN = 0.02  # without a repeat of the base, a smaller difference is a tie
 CRASHES = ("crashed", "timeout")  # deploy states whose server ran, so its log can be diagnosed
-
-
-class TuneError(ServopsError):
-    pass
-
-
-def campaign_dir(host: str, name: str) -> Path:
-    return bench.RESULTS_ROOT / host / "campaigns" / name
-
-
-def log_path(host: str, name: str) -> Path:
-    return campaign_dir(host, name) / "trials.jsonl"
-
-
-# What tune reads from a trials.jsonl entry, by type: a line of another shape (hand-edited,
-# damaged, planted) is skipped and named, not a KeyError in the middle of --resume.
-_TEXT = ("trial", "label", "outcome", "reason", "release", "result_path", "same_as", "identity", "retry_patch",
-         "script", "campaign")
-_NUMBERS = ("seconds", "deploy_s", "bench_s", "before", "after", "drift_pct", "pruned_at", "study_trial")
-_LISTS = ("violations", "constraints", "findings", "objective_ci")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def entry_problem(e: dict) -> str | None:
-    """Why a trials.jsonl entry is not one tune writes (None: it is one)."""
-    if not isinstance(e.get("phase"), str):
-        return "no phase"
-    for keys, test, what in ((_TEXT, lambda v: isinstance(v, str), "text"), (_NUMBERS, _is_number, "a number"),
-                             (_LISTS, lambda v: isinstance(v, list), "a list"),
-                             (("metrics", "spec", "noise"), lambda v: isinstance(v, dict), "an object")):
-        for k in keys:
-            if e.get(k) is not None and not test(e[k]):
-                return f"{k} is not {what}"
-    for lv, m in (e.get("metrics") or {}).items():
-        if not isinstance(m, dict) or not all(_is_number(v) or (isinstance(v, list) and all(map(_is_number, v)))
-                                              for v in m.values()):
-            return f"metrics.{str(lv)[:20]} is not an object of numbers"
-    for f in e.get("findings") or []:
-        if not isinstance(f, dict) or not isinstance(f.get("suggest") or {}, dict) or not all(
-                isinstance(f.get(k) or "", str) for k in ("entry", "category", "title", "root_exception",
-                                                        "final_exception", "error")):
-            return "a finding is not an object of text"
-    if not all(isinstance(v, str) for v in (e.get("violations") or []) + (e.get("constraints") or [])):
-        return "violations/constraints are not text"
-    spec = e.get("spec") or {}
-    if not (isinstance(spec.get("server_args") or {}, dict) and isinstance(spec.get("rendered_args") or {}, dict)
-            and isinstance(spec.get("env") or "", str)
-            and isinstance(spec.get("patches") or [], list)):
-        return "spec is not what tune writes"
-    if e.get("noise") is not None and not _is_number(e["noise"].get("band")):
-        return "noise.band is not a number"
-    if e["phase"] != "campaign" and e.get("objective") is not None and not _is_number(e["objective"]):
-        return "objective is not a number"  # (the campaign's first entry names it: text)
-    return None
-
-
-def read_log(path: Path, problems: list[str] | None = None) -> list[dict]:
-    """The log's entries (damaged lines skipped); `problems` receives what was skipped or broken,
-    as sentences."""
-    try:
-        entries, report = jsonl.read_entries(str(path), entry_problem)
-    except jsonl.FileProblem as exc:
-        raise TuneError(str(exc)) from None
-    if problems is not None:
-        problems.extend(f"{path}: {line}" for line in jsonl.describe(report))
-    return entries
-
-
-@dataclass
-class TrialState:
-    """What the log says about one trial."""
-    id: str
-    entries: list[dict] = field(default_factory=list)
-
-    @property
-    def done(self) -> dict | None:
-        return next((e for e in reversed(self.entries) if e["phase"] == "done"), None)
-
-    def last(self, phase: str) -> dict | None:
-        return next((e for e in reversed(self.entries) if e["phase"] == phase), None)
-
-
-def trial_states(entries: list[dict]) -> dict[str, TrialState]:
-    states: dict[str, TrialState] = {}
-    for e in entries:
-        if "trial" in e:
-            states.setdefault(e["trial"], TrialState(e["trial"])).entries.append(e)
-    return states
 
 
 class Journal:
@@ -189,57 +101,6 @@ def _clock(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-# -- the incumbent and ties ---------------------------------------------------------------------
-
-def improvement(camp: Campaign, value: float, incumbent: float) -> float:
-    """How much better `value` is than `incumbent` on the objective, as a share (negative: worse)."""
-    if incumbent == 0:
-        return 0.0 if value == 0 else (float("inf") if camp.objective.better(value, incumbent) else float("-inf"))
-    change = (value - incumbent) / abs(incumbent)
-    return change if camp.objective.sense == "maximize" else -change
-
-
-def min_gain(camp: Campaign, done: list[dict]) -> tuple[float, str]:
-    """(the share a trial must beat the incumbent by, where it comes from)."""
-    if camp.min_gain is not None:
-        return camp.min_gain, "the campaign's min_gain"
-    base = next((e for e in done if e.get("trial") == "base" and e.get("noise")), None)
-    if base:
-        return float(base["noise"]["band"]), base["noise"].get("how") or "the base's noise"
-    return DEFAULT_MIN_GAIN, "no repeat of the base measured the noise"
-
-
-def standings(camp: Campaign, done: list[dict], gain: float) -> tuple[dict | None, dict[str, str]]:
-    """Replay the feasible trials in the order they ran: a trial takes the lead only when it
-    beats the incumbent by more than `gain`; a smaller difference is a tie the incumbent keeps.
-    Returns (the winner's done entry, each feasible trial's verdict when it finished)."""
-    best, verdicts = None, {}
-    for e in done:
-        if e.get("outcome") != "ok" or e.get("objective") is None or str(e.get("trial")).startswith("drift"):
-            continue
-        if best is None:
-            best, verdicts[e["trial"]] = e, "first feasible trial: the incumbent"
-            continue
-        g = improvement(camp, e["objective"], best["objective"])
-        if g > gain:
-            verdicts[e["trial"]] = f"{g * 100:+.1f}% over {best['trial']}: the new best"
-            best = e
-        elif g >= -gain:
-            verdicts[e["trial"]] = (f"tie: {g * 100:+.1f}% vs {best['trial']}, within min_gain {gain * 100:.1f}%; "
-                                    f"{best['trial']} stays best")
-        else:
-            verdicts[e["trial"]] = f"{g * 100:+.1f}% vs {best['trial']}"
-    return best, verdicts
-
-
-def objective_text(camp: Campaign, value: float | None, ci: list | None) -> str:
-    """`output_tps@16 = 1,234 ±12` (the 95% interval's half-width, where repeats gave one)."""
-    if value is None:
-        return f"{camp.objective.written} not measured"
-    spread = f" ±{num((ci[1] - ci[0]) / 2)}" if ci else ""
-    return f"{camp.objective.written} = {num(value)}{spread}"
-
-
 # -- output for people ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -276,10 +137,11 @@ def held_back(verbose: bool, status: str = ""):
             live.stop()
 
 
-def evaluate(camp: Campaign, result: dict, base_result: dict | None) -> dict:
-    """Feasibility (constraints, failures included) and the objective's value (with its 95%
-    interval where repeats gave one), for one bench. `violations`: what failed, measured against
-    its bound (`p99_ttft_ms@16 = 742.2 > 300`); `constraints`: every condition's line."""
+def evaluate(camp: Campaign, result: dict, base_result: dict | None, start: dict | None = None) -> dict:
+    """Feasibility (constraints, failures and the start-up's bounds included) and the objective's
+    value (with its 95% interval where repeats gave one), for one bench. `violations`: what
+    failed, measured against its bound (`p99_ttft_ms@16 = 742.2 > 300`, `start_s <= 900
+    (start_s = 950.0)`); `constraints`: every condition's line."""
     from .gate import verdicts, violation
 
     lookup = lambda name: base_result if name == "base" else None  # noqa: E731
@@ -290,6 +152,12 @@ def evaluate(camp: Campaign, result: dict, base_result: dict | None) -> dict:
         failed = [violation(v) for v in vs if not v.ok]
     except ServopsError as exc:
         passed, lines, failed = False, [f"FAIL: {exc}"], [str(exc)]
+    for cond in camp.start_constraints:
+        ok, line = cond.check(start or {})
+        lines.append(f"{'pass' if ok else 'FAIL'}: {line}")
+        if not ok:
+            passed = False
+            failed.append(line)
     value = camp.objective.value(result)
     lv = next((l for l in result.get("levels", []) if l.get("concurrency") == camp.objective.level), {})
     return {"feasible": bool(passed and value is not None), "objective": value,
@@ -332,19 +200,6 @@ def diagnose_release(hs: HostSession, release: str) -> list[dict]:
     return out
 
 
-def diagnosis_line(findings: list[dict], fallback: str) -> str:
-    """A crash in one line: the known issue and the exception, or what is known of it."""
-    f = next((f for f in findings if f.get("entry")), findings[0] if findings else None)
-    if f is None:
-        return fallback
-    if f.get("error"):
-        return f"not diagnosed ({f['error']})"
-    exception = f.get("final_exception") or f.get("root_exception") or ""
-    if f.get("entry"):
-        return f"{f['entry']} ({f['category']}): {exception}"
-    return f"no known issue matched: {exception}"
-
-
 def bench_kwargs(camp: Campaign) -> dict:
     b = camp.bench
     dataset = bench.load_dataset(b.get("dataset", "random"), b.get("dataset_path", ""), b.get("seed", 42))
@@ -362,8 +217,10 @@ class Runner:
     the fleet's, and every line this host prints starts with its name."""
 
     def __init__(self, hs: HostSession, camp: Campaign, resume: bool, verbose: bool = False,
-                 storage: str | None = None, fleet=None):
+                 storage: str | None = None, fleet=None, warm_start: bool = False):
         self.hs, self.camp, self.verbose, self.resume = hs, camp, verbose, resume
+        self.warm_start = warm_start
+        self.warm_from: dict[str, str] = {}   # trial id -> the earlier campaign its point came from
         self.fleet = fleet
         self.executed = 0
         self.current: tuple | None = None   # (trial, its study trial or None) while one runs
@@ -442,9 +299,13 @@ class Runner:
         gain, how = min_gain(self.camp, done)
         later = self.camp.min_gain is None and not any(e.get("trial") == "base" for e in done)
         fixed = "fixed " if self.study is not None else ""  # a search's points are preflighted as they are asked
+        if self.camp.sequential:
+            rule = (f"verdicts on {self.camp.confidence * 100:g}% intervals: a trial is benched again while unsure, "
+                    f"up to {self.camp.max_repeats} runs; the top {self.camp.rebench_top} re-benched at the end")
+        else:
+            rule = "min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"
         self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} {fixed}trial(s), every launch preflighted "
-                 f"in {time.monotonic() - t0:.1f}s; {self.camp.objective.sense} {self.camp.objective.written}; "
-                 + ("min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"))
+                 f"in {time.monotonic() - t0:.1f}s; {self.camp.objective.sense} {self.camp.objective.written}; {rule}")
 
     def _check(self, t: Trial) -> None:
         try:
@@ -545,7 +406,7 @@ class Runner:
             current = releases.ctl(self.hs, "status").get("current")
             self.journal.write({"phase": "campaign", "outcome": "started", "servops_git": git_sha(),
                                 "trials": [{"trial": t.id, "label": t.label} for t in self.trials],
-                                "objective": self.camp.objective.written})
+                                "objective": self.camp.objective.written, "facts": self._facts()})
             self.pin(current, "current when it started")
         self.preflight_all()
         stopped = False
@@ -640,7 +501,8 @@ class Runner:
 
     def _search(self) -> None:
         """Ask the study for points until the budget is spent: each one deployed, benched (pruned
-        at a failing level) and told back. A crash that survives auto_patch is a FAIL, never a value."""
+        at a failing level) and told back. A crash that survives auto_patch is a violated constraint
+        the sampler learns from (study.tell_outcome), never a measured value."""
         from . import search as searchmod
         from . import study as studymod
         from .campaign import point_trial
@@ -654,7 +516,10 @@ class Runner:
         self.say(f"tune: search {self.camp.search} (seed {self.camp.seed if self.camp.seed is not None else 'none'}) "
                  f"over {', '.join(s.name for s in self.camp.spaces)}; study {self.camp.name} in "
                  f"{studymod._shown(self.storage_url)}")
-        dupes = 0
+        if self.warm_start and not self.study.get_trials(deepcopy=False):
+            with self._study_lock():
+                self._enqueue_warm()
+        dupes = predicted = 0
         while True:
             if self.camp.max_wall_s is not None and self.clock.elapsed() >= self.camp.max_wall_s:
                 self.say(f"tune: budget: {_clock(self.clock.elapsed())} spent (max_wall_time); stopping")
@@ -670,10 +535,14 @@ class Runner:
                 label = searchmod.point_label(space, point)
                 for key, value in (("tid", tid), ("label", label)):
                     ot.set_user_attr(key, value)
+                if ot.user_attrs.get("warm_from"):
+                    self.warm_from[tid] = ot.user_attrs["warm_from"]
             self.current = (None, ot)
             t = point_trial(self.camp.name, space, point, tid, label)
             self.hs.redactor.add(variant_secrets(t.variant, self.hs.host.get("secret_vars") or ()))
             k = used + 1
+            if tid in self.warm_from:
+                self.phase(t, k, "warm", f"asked first: {self.warm_from[tid]}")
             finished = self._done_anywhere(tid) if ot.user_attrs.get("reclaims") is not None else None
             if finished and finished.get("outcome") != "duplicate" and self._retry_trial(t, finished) is None:
                 # it finished and was journaled (no auto_patch retry owed), its controller stopped
@@ -683,6 +552,20 @@ class Runner:
                 self.phase(t, k, "done", f"had finished before its controller stopped ({finished.get('outcome')}): "
                                          "told to the study, not run again")
                 continue
+            why = None if finished else searchmod.predicted_crash(point, self._crash_history())
+            if why:
+                predicted += 1
+                ot.set_user_attr("predicted", why)
+                self.journal.write({"trial": tid, "phase": "done", "label": label, "outcome": "predicted-crash",
+                                    "reason": why, "study_trial": ot.number})
+                self._tell(ot, {"outcome": "predicted-crash", "reason": why})
+                self.current = None
+                self.phase(t, k, "skip", f"not deployed: {why}")
+                if predicted >= 20:
+                    self.say("tune: the sampler asked 20 points in a row that would crash; stopping")
+                    return
+                continue
+            predicted = 0
             try:
                 self._check(t)
             except TuneError as exc:
@@ -744,6 +627,60 @@ class Runner:
             if self.fleet is not None:
                 self.fleet.still_there(self, done)
 
+    def _crash_history(self) -> list[tuple[dict, bool]]:
+        """(point, crashed) of every study trial that ran (a fleet: on any host)."""
+        from optuna.trial import TrialState
+
+        from . import search as searchmod
+
+        out = []
+        for ft in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            got = ft.params and searchmod.point_of(self.camp.spaces, ft.params)
+            if got and not ft.user_attrs.get("same_as"):
+                out.append((got[1], ft.user_attrs.get("outcome") == "crashed"))
+        return out
+
+    def _facts(self) -> dict:
+        """The engine, its version and the model the campaign runs on (what --warm-start matches)."""
+        from . import hostfacts
+        from .campaignrecord import WARM_FACTS
+
+        try:
+            facts = hostfacts.gather(self.hs, self.trials[0].variant)
+        except ServopsError:
+            return {}
+        return {k: str(facts.get(k)) for k in WARM_FACTS if facts.get(k)}
+
+    def _enqueue_warm(self) -> None:
+        """--warm-start: the earlier campaigns' best points on this engine, version and model (their
+        trials logs, every host's, archived ones too) asked first, each marked with where it came from."""
+        from . import search as searchmod
+        from .campaignrecord import warm_points
+
+        head = next((e for e in read_log(self.path) if e.get("phase") == "campaign"), {})
+        logs = []
+        for path in sorted(bench.RESULTS_ROOT.glob("*/campaigns/*/trials*.jsonl")):
+            if path.resolve() == self.path.resolve():
+                continue
+            try:
+                logs.append((path.parts[-4], f"{path.parent.name}/{path.name}", read_log(path)))
+            except TuneError:
+                continue
+        queued = set()
+        for p in warm_points(logs, head.get("facts") or {}, self.camp.objective.written, self.camp.objective.sense):
+            params = searchmod.params_of(self.camp.spaces, p)
+            key = json.dumps(params, sort_keys=True, default=str)
+            if params is None or key in queued:
+                continue
+            queued.add(key)
+            self.study.enqueue_trial(params, user_attrs={"host": self.hs.host.name, "warm_from": p["from"]})
+            self.say(f"tune: warm start: {searchmod.point_label(*searchmod.point_of(self.camp.spaces, params))} "
+                     f"asked first, from {p['from']}")
+        if not queued:
+            self.say("tune: warm start: no earlier campaign of this objective ran on "
+                     + (" ".join(str(v) for v in (head.get("facts") or {}).values()) or "these unknown facts")
+                     + " with a point in this search space")
+
     def _study_lock(self):
         return self.fleet.lock if self.fleet is not None else contextlib.nullcontext()
 
@@ -755,35 +692,17 @@ class Runner:
         return self._done_of(tid) or (self.fleet.done_of(tid) if self.fleet is not None else None)
 
     def _tell(self, ot, done: dict) -> None:
-        """The trial's outcome, told to the study: a value (with its constraints), PRUNED or FAIL."""
-        from optuna.trial import TrialState as OptunaState
-
-        from . import study as studymod
-
+        """The trial's outcome, told to the study (study.tell_outcome: a crash teaches the sampler)."""
         with self._study_lock():
             self._tell_now(ot, done)
 
     def _tell_now(self, ot, done: dict) -> None:
-        from optuna.trial import TrialState as OptunaState
-
         from . import study as studymod
 
         outcome = done.get("outcome")
-        ot.set_user_attr("outcome", outcome or "failed")
-        if outcome in ("ok", "infeasible") and done.get("objective") is not None:
-            lines = done.get("constraints") or []
-            values = [0.0 if line.startswith("pass") else 1.0 for line in lines] or [0.0 if outcome == "ok" else 1.0]
-            ot.set_user_attr("constraints", values)
-            studymod.set_constraints(ot, values)
-            self.study.tell(ot, float(done["objective"]))
-        elif outcome == "pruned":
-            ot.set_user_attr("constraints", [1.0])
-            studymod.set_constraints(ot, [1.0])
-            ot.set_user_attr("pruned", done.get("reason") or "")
-            self.study.tell(ot, state=OptunaState.PRUNED)
-        else:
-            ot.set_user_attr("reason", str(done.get("reason") or outcome or "no result")[:500])
-            self.study.tell(ot, state=OptunaState.FAIL)
+        reason = (diagnosis_line(done.get("findings") or [], done.get("reason") or "crashed") if outcome == "crashed"
+                  else done.get("reason") or "")
+        studymod.tell_outcome(self.study, ot, outcome, done.get("objective"), done.get("constraints") or [], reason)
 
     def _bench_staged(self, t: Trial, k: int) -> tuple[dict | None, str | None, float, dict | None]:
         """The bench in the order that fails fastest (search.bench_order): a constraint violated at
@@ -865,12 +784,28 @@ class Runner:
             raise TuneError(f"interrupted in trial {t.id} ({record.get('reason')}); continue with "
                             f"invoke tune {self.camp.name} -H {self.hs.host.name} --resume")
         deploy_s = time.monotonic() - d0
+        if record.get("state") == "healthy":
+            record["start"] = self._start_times(record)
         self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
-                                reason=record.get("reason"), deploy_s=round(deploy_s, 2)))
+                                reason=record.get("reason"), deploy_s=round(deploy_s, 2), start=record.get("start")))
         # a crash's reason is its diagnosis, on the next line; other failures say theirs here
         self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s ({record.get('release') or 'no release'})"
+                   + (f"; {start_text(record['start'])}" if record.get("start") else "")
                    + ("" if record.get("state") in ("healthy",) + CRASHES else f": {record.get('reason')}"))
         return record, deploy_s
+
+    def _start_times(self, record: dict) -> dict:
+        """The start-up as measured: start_s, the time the health gate waited for the server
+        (start to healthy), and the engine's own timed phases from its log (capture_s, compile_s:
+        servops.engines' start_times), where it says them."""
+        from . import engines
+
+        times = {"start_s": round(float(record["elapsed"]), 2)} if is_number(record.get("elapsed")) else {}
+        try:
+            lines = releases.ctl(self.hs, "logs", name=record["release"], lines=2000)["lines"]
+        except (ServopsError, KeyError):
+            return times
+        return dict(times, **engines.get(record.get("engine")).start_phases(lines))
 
     def _bench(self, t: Trial, k: int, label: str | None = "bench") -> tuple[dict | None, str | None, float]:
         """(result, why it failed, seconds) of one bench of the current release; its phase line
@@ -919,18 +854,56 @@ class Runner:
         return {"band": band, "values": [value, second], "result_path": again["path"],
                 "how": f"two runs of the base: {num(value)} and {num(second)}, {band * 100:.1f}% apart"}
 
+    def _repeats(self, t: Trial, k: int, first: float) -> dict:
+        """max_repeats >= 2: the trial is benched again (no restart) while its verdict against the
+        incumbent is unsure and could matter, up to max_repeats runs (servops.verdict.next_step);
+        the first feasible trial (the base) twice, to measure the campaign's noise."""
+        done = self.done_entries()
+        incumbent, _v = standings(self.camp, done, 0.0)
+        others = trial_runs(done)
+        runs, level = [first], self.camp.confidence
+        while True:
+            noise = verdict.pooled_noise(dict(others, **{t.id: runs}))
+            if incumbent is None:
+                again = len(runs) < 2
+                why = ("the first feasible trial: benched again to measure the noise" if again else
+                       f"the campaign's noise: {noise.how}" if noise else "no noise measured")
+            else:
+                again, why = verdict.next_step(others[incumbent["trial"]], runs, noise, self.camp.objective.sense,
+                                               self.camp.max_repeats, self.camp.min_gain or 0.0, level)
+            if not again:
+                break
+            self.phase(t, k, "repeat", why)
+            result, failed, _s = self._bench(t, k, None)
+            value = result and self.camp.objective.value(result)
+            if value is None:
+                why = f"a repeat failed ({failed or 'no objective measured'}): {len(runs)} run(s) kept"
+                break
+            runs.append(value)
+        m, lo, hi = verdict.interval(runs, noise, level)
+        shown = f"[{num(lo)}, {num(hi)}] ({level * 100:g}%)" if noise else "(no noise measured)"
+        self.phase(t, k, "verdict", f"{self.camp.objective.written} = {num(m)} {shown} over {len(runs)} "
+                                    f"run{'s' if len(runs) > 1 else ''}: {why}")
+        return {"runs": runs, "objective": m, "objective_ci": [lo, hi] if noise else None, "repeat_stop": why}
+
     def run_trial(self, t: Trial, k: int, state: TrialState | None, prune: bool = False) -> dict:
         t0 = time.monotonic()
         base = {"trial": t.id, "label": t.label, "identity": self.identities.get(t.id)}
+        if self.warm_from.get(t.id):
+            base["warm_from"] = self.warm_from[t.id]
         record, deploy_s = self._deploy(t, k, base, state)
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
+        if record.get("start"):
+            done["start"] = record["start"]
         if record.get("state") == "healthy":
             pruned = None
             if prune:
                 result, why, bench_s, pruned = self._bench_staged(t, k)
             else:
                 result, why, bench_s = self._bench(t, k)
-            if result is None:
+            if result is None and self._died_under_load(record):  # diagnosed below, as a crash at start is
+                record = dict(record, state="crashed", reason=f"the server died under load: {why}")
+            elif result is None:
                 done.update(outcome="bench-failed", reason=why)
             elif pruned:
                 done.update(outcome="pruned", result_path=result["path"], metrics=key_metrics(result),
@@ -939,16 +912,18 @@ class Runner:
                 self.journal.write(dict(base, phase="benched", release=record.get("release"),
                                         result_path=result["path"], bench_s=round(bench_s, 2)))
             else:
-                ev = evaluate(self.camp, result, self._base_result())
+                ev = evaluate(self.camp, result, self._base_result(), record.get("start") or {})
                 done.update(outcome="ok" if ev["feasible"] else "infeasible", result_path=result["path"],
                             metrics=key_metrics(result), bench_s=round(bench_s, 2), **ev)
                 self.journal.write(dict(base, phase="benched", release=record.get("release"),
                                         result_path=result["path"], bench_s=round(bench_s, 2)))
-                if ev["feasible"]:
+                if ev["feasible"] and self.camp.sequential:
+                    done.update(self._repeats(t, k, ev["objective"]))
+                elif ev["feasible"]:
                     noise = self._noise(t, k, result, ev["objective"])
                     if noise:
                         done["noise"] = noise
-        else:
+        if record.get("state") != "healthy":
             findings = []
             if record.get("release") and record.get("state") in CRASHES:  # the server ran: its log says why
                 try:
@@ -966,6 +941,14 @@ class Runner:
         done["seconds"] = round(time.monotonic() - t0, 2)
         return self.journal.write(done)
 
+    def _died_under_load(self, record: dict) -> bool:
+        """After a failed bench: is the trial's server gone (it crashed under load, its log says why)?"""
+        try:
+            st = releases.ctl(self.hs, "status")
+        except ServopsError:
+            return False
+        return st.get("current") == record.get("release") and not st.get("healthy") and not st.get("server")
+
     def _resumable(self, state: TrialState | None) -> dict | None:
         """An interrupted trial whose healthy release is still current: bench it instead of redeploying."""
         if not state or state.done:
@@ -976,13 +959,14 @@ class Runner:
         st = releases.ctl(self.hs, "status")
         rel = st.get("release") or {}
         if st.get("current") == deployed.get("release") and st.get("healthy") and rel.get("status") in ("healthy", "unconfirmed"):
-            return {"release": deployed["release"], "state": "healthy", "deploy_s": deployed.get("deploy_s")}
+            return {"release": deployed["release"], "state": "healthy", "deploy_s": deployed.get("deploy_s"),
+                    "start": deployed.get("start")}
         return None
 
     # -- results -----------------------------------------------------------------------------------
 
     def done_entries(self) -> list[dict]:
-        return [s.done for s in trial_states(read_log(self.path)).values() if s.done]
+        return logged_done(self.path)
 
     def _base_result(self) -> dict | None:
         d = next((e for e in self.done_entries() if e["trial"] == "base" and e.get("result_path")), None)
@@ -990,13 +974,14 @@ class Runner:
 
     def best(self) -> dict | None:
         done = self.done_entries()
-        return standings(self.camp, done, min_gain(self.camp, done)[0])[0]
+        return standings(self.camp, done, min_gain(self.camp, done)[0], rebench_runs(read_log(self.path)))[0]
 
     def finish(self) -> dict:
-        from .tunereport import print_summary
-
         entries = read_log(self.path)
         summary = {"campaign": self.camp.name, "host": self.hs.host.name}
+        if self.camp.sequential and not any(e.get("phase") == "rebench" and e.get("outcome") == "finished"
+                                            for e in entries):
+            self._rebench(entries)
         if not any(e.get("phase") == "drift" for e in entries):
             self._drift_check()
         winner = self.best()
@@ -1009,6 +994,72 @@ class Runner:
         summary["current"] = releases.ctl(self.hs, "status").get("current")
         print_summary(self.hs.host.name, self.camp)
         return summary
+
+    def _rebench(self, entries: list[dict]) -> None:
+        """max_repeats >= 2: the end re-bench. The finalists (the best few by mean, none separated
+        below the leader) are deployed again and benched once more each, round by round
+        (verdict.final_rounds); the winner is then the one with the best lower bound."""
+        done, rebenched = self.done_entries(), rebench_runs(entries)
+        rounds = verdict.final_rounds(self.camp.rebench_top)
+        first = 1 + max((e.get("round") or 0 for e in entries if e.get("phase") == "rebench"), default=0)
+        why = "every round ran"
+        for r in range(first, len(rounds) + 1):
+            runs = trial_runs(done, rebenched)
+            names = verdict.finalists(runs, verdict.pooled_noise(runs), self.camp.objective.sense, rounds[r - 1],
+                                      self.camp.confidence)
+            if len(names) < 2:
+                why = ("one finalist left: the others are separated below it" if len(runs) > 1
+                       else "fewer than two feasible trials")
+                break
+            for tid in names:
+                trial = next((x for x in self.trials + self.search_trials if x.id == tid), None)
+                if trial is None:
+                    continue
+                with held_back(self.verbose, f"re-bench round {r}: deploying {tid} again"):
+                    try:
+                        record = self._switch_to(tid, trial)
+                    except ServopsError as exc:
+                        record = {"state": "failed", "reason": str(exc)}
+                if record.get("state") != "healthy":
+                    self.journal.write({"phase": "rebench", "trial": tid, "round": r, "outcome": record.get("state"),
+                                        "release": record.get("release"), "reason": record.get("reason")})
+                    self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)}: "
+                             f"{record.get('state')}: {record.get('reason')}")
+                    continue
+                result, failed, _s = self._bench(trial, r, None)
+                value = result and self.camp.objective.value(result)
+                self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
+                                    "outcome": "measured" if value is not None else "bench-failed",
+                                    "runs": [] if value is None else [value],
+                                    "result_path": result and result["path"], "reason": failed})
+                if value is not None:
+                    rebenched.setdefault(tid, []).append(value)
+                all_runs = trial_runs(done, rebenched)
+                m, lo, hi = verdict.interval(all_runs[tid], verdict.pooled_noise(all_runs), self.camp.confidence)
+                self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)} of {len(names)}: "
+                         + (f"{self.camp.objective.written} = {num(value)}; now {num(m)} [{num(lo)}, {num(hi)}] over "
+                            f"{len(all_runs[tid])} runs" if value is not None else f"bench failed: {failed}"))
+                if interrupt.requested():
+                    raise TuneError(f"interrupted in the re-bench; continue with invoke tune {self.camp.name} "
+                                    f"-H {self.hs.host.name} --resume")
+        self.journal.write({"phase": "rebench", "outcome": "finished", "reason": why})
+        winner = standings(self.camp, done, 0.0, rebenched)[0]
+        self.phase(None, 0, "rebench", f"{why}; the winner, by the best lower bound: "
+                                       f"{winner['trial'] if winner else 'none'}")
+
+    def _switch_to(self, tid: str, trial: Trial) -> dict:
+        """Trial `tid` deployed: its earlier release switched back to when it is still on the host
+        and unchanged (no upload), else deployed afresh. The deploy's record."""
+        record: dict = {}
+        earlier = self._release_of(tid, trial)
+        if earlier:
+            from .deploy import rollback
+
+            _status, message = rollback(self.hs, to=earlier)
+            record.update(release=earlier, state="healthy", reason=message)
+        else:
+            deploy_group([self.hs], trial.variant, record=record)
+        return record
 
     def _drift_check(self) -> None:
         after = self.camp.drift_after_s
@@ -1050,16 +1101,8 @@ class Runner:
                                 "label": f"{want} already deployed"})
             self.phase(None, 0, "leave", f"{want} stays deployed ({status.get('current')})")
             return
-        record: dict = {}
         with held_back(self.verbose, f"leaving {want} deployed"):
-            earlier = self._release_of(want, trial)
-            if earlier:  # its release is still on the host, files unchanged: switch back, no upload
-                from .deploy import rollback
-
-                _status, message = rollback(self.hs, to=earlier)
-                record.update(release=earlier, state="healthy", reason=message)
-            else:
-                deploy_group([self.hs], trial.variant, record=record)
+            record = self._switch_to(want, trial)
         self.journal.write({"phase": "leave", "trial": None, "outcome": record.get("state"),
                             "release": record.get("release"), "label": f"left {want} deployed"})
         self.phase(None, 0, "leave", f"left {want} deployed ({record.get('release')}, {record.get('state')})")
@@ -1088,8 +1131,8 @@ def _study_counted(study) -> int:
 
 
 def run_campaign(hs: HostSession, camp: Campaign, resume: bool = False, verbose: bool = False,
-                 storage: str | None = None) -> dict:
-    return Runner(hs, camp, resume, verbose, storage).run()
+                 storage: str | None = None, warm_start: bool = False) -> dict:
+    return Runner(hs, camp, resume, verbose, storage, warm_start=warm_start).run()
 
 
 def plan_campaign(hs: HostSession, camp: Campaign) -> list[dict]:

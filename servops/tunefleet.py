@@ -23,20 +23,16 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from pathlib import Path
 
-from . import bench, hostfacts, interrupt, localfiles, releases, threadout
+from . import hostfacts, interrupt, localfiles, releases, threadout
 from .campaign import Campaign, Trial
+from .campaignrecord import TuneError, fleet_dir, fleet_winner, log_path, read_log, trial_states
 from .errors import ServopsError, TransportError
 from .output import CHANGED, FAILED, OK, Failed, Recap, console, err_console
-from .tune import DEFAULT_MIN_GAIN, Runner, TuneError, improvement, log_path, read_log, trial_states
+from .tune import Runner
+from .tunereport import print_fleet_summary
 
-FLEET_DIR = "_fleet"
 GOOD = ("ok", "infeasible", "pruned", "duplicate")  # outcomes that say nothing against the host
-
-
-def fleet_dir(name: str) -> Path:
-    return bench.RESULTS_ROOT / FLEET_DIR / name
 
 
 def fleet_hosts(name: str, selected: list[str] | None) -> list[str] | None:
@@ -65,59 +61,6 @@ def point_key(server_args: dict, env_text: str, patches: list) -> str:
     """A trial's setting, whatever host renders it: its server args, env and patches."""
     blob = json.dumps([server_args, env_text, sorted(patches)], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def relative_entries(done_by_host: dict[str, list[dict]]) -> list[dict]:
-    """Every host's finished trials, each objective relative to its own host's base (1.0: the
-    base), in the order they finished; a host whose base has no objective has no comparable
-    trials. Each entry keeps `host` and its `raw` objective."""
-    out = []
-    for host, done in done_by_host.items():
-        base = next((e for e in done if e.get("trial") == "base" and e.get("outcome") == "ok"
-                     and e.get("objective")), None)
-        if base is None:
-            continue
-        for e in done:
-            rel = dict(e, host=host, raw=e.get("objective"))
-            if e.get("objective") is not None:
-                rel["objective"] = e["objective"] / base["objective"]
-            out.append(rel)
-    return sorted(out, key=lambda e: (e.get("at") or "", e.get("host")))
-
-
-def fleet_gain(camp: Campaign, done_by_host: dict[str, list[dict]]) -> tuple[float, str]:
-    """min_gain across the fleet: the campaign's, else the widest noise band of the hosts' bases."""
-    if camp.min_gain is not None:
-        return camp.min_gain, "the campaign's min_gain"
-    bands = [(float(e["noise"]["band"]), h) for h, done in done_by_host.items() for e in done
-             if e.get("trial") == "base" and e.get("noise")]
-    if bands:
-        band, host = max(bands)
-        return band, f"the widest noise of the hosts' bases ({host})"
-    return DEFAULT_MIN_GAIN, "no repeat of a base measured the noise"
-
-
-def fleet_winner(camp: Campaign, done_by_host: dict[str, list[dict]]) -> tuple[dict | None, dict, float, str]:
-    """(the winner's relative entry, verdicts by (host, trial), min_gain, its source)."""
-    gain, how = fleet_gain(camp, done_by_host)
-    entries = relative_entries(done_by_host)
-    best, verdicts = None, {}
-    for e in entries:
-        if e.get("outcome") != "ok" or e.get("objective") is None or str(e.get("trial")).startswith("drift"):
-            continue
-        key = (e["host"], e["trial"])
-        if best is None:
-            best, verdicts[key] = e, "first feasible trial: the incumbent"
-            continue
-        g = improvement(camp, e["objective"], best["objective"])
-        where = f"{best['trial']}@{best['host']}"
-        if g > gain:
-            verdicts[key], best = f"{g * 100:+.1f}% over {where}: the new best", e
-        elif g >= -gain:
-            verdicts[key] = f"tie: {g * 100:+.1f}% vs {where}, within min_gain {gain * 100:.1f}%"
-        else:
-            verdicts[key] = f"{g * 100:+.1f}% vs {where}"
-    return best, verdicts, gain, how
 
 
 def batches(hosts: list[str], serial: int | None) -> list[list[str]]:
@@ -367,8 +310,6 @@ def run_fleet(inv, hosts: list, camp: Campaign, resume: bool = False, verbose: b
                 if interrupt.requested():
                     break
                 _threads(lambda n: _leave(fleet.runners[n], winner, trial), batch)
-        from .tunereport import print_fleet_summary
-
         print_fleet_summary(names, camp)
         for n in names:
             if n in fleet.dropped:

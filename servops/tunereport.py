@@ -20,10 +20,12 @@ import json
 import re
 from pathlib import Path
 
+from . import verdict
 from .campaign import Campaign
+from .campaignrecord import (diagnosis_line, fleet_dir, fleet_winner, log_path, min_gain, read_log, rebench_runs,
+                             standings, start_text, trial_runs, trial_states)
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
-from .tune import diagnosis_line, log_path, min_gain, read_log, standings, trial_states
 
 METRIC_COLUMNS = (("output_tps", "output tok/s"), ("ttft_p99", "TTFT p99 ms"), ("tpot_p50", "TPOT p50 ms"),
                   ("e2e_p50", "e2e p50 ms"))
@@ -79,7 +81,10 @@ def collect(host: str, camp: Campaign) -> dict:
     base_spec = (start_of.get("base") or {}).get("spec") or {}
     done = [states[tid].done for tid in order if states[tid].done]
     gain, gain_how = min_gain(camp, done)
-    winner_entry, verdicts = standings(camp, done, gain)
+    rebenched = rebench_runs(entries)
+    winner_entry, verdicts = standings(camp, done, gain, rebenched)
+    all_runs = trial_runs(done, rebenched)
+    noise = verdict.pooled_noise(all_runs) if camp.sequential else None
     base_done = states["base"].done if "base" in states else None
     base_value = (base_done or {}).get("objective")
     rows = []
@@ -104,7 +109,12 @@ def collect(host: str, camp: Campaign) -> dict:
                "result_path": d.get("result_path"), "script": start.get("script"),
                "flags": ["(base)"] if tid == "base" else flags_diff(base_spec, spec),
                "added_patches": [] if tid == "base" else added,
-               "patches": ", ".join(spec.get("patches") or []) or "-", "retry_of": spec.get("retry_of")}
+               "patches": ", ".join(spec.get("patches") or []) or "-", "retry_of": spec.get("retry_of"),
+               "start": d.get("start") or {}, "warm_from": d.get("warm_from")}
+        if camp.sequential and tid in all_runs:  # the interval of all its runs, on the campaign's final noise
+            m, lo, hi = verdict.interval(all_runs[tid], noise, camp.confidence)
+            row.update(objective=m, objective_ci=[lo, hi] if noise else None, runs=len(all_runs[tid]),
+                       rebenched=len(rebenched.get(tid) or []), repeat_stop=d.get("repeat_stop"))
         lv = row["metrics"].get(str(camp.objective.level)) or {}
         for key, _title in METRIC_COLUMNS:
             row[key] = lv.get(key)
@@ -115,7 +125,8 @@ def collect(host: str, camp: Campaign) -> dict:
     leave = next((e for e in reversed(entries) if e.get("phase") == "leave"), None)
     return {"campaign": camp, "host": host, "rows": rows, "winner": winner, "drift": drift, "leave": leave,
             "log": path, "base": next((r for r in rows if r["trial"] == "base"), None), "problems": problems,
-            "min_gain": gain, "min_gain_how": gain_how}
+            "min_gain": gain, "min_gain_how": gain_how, "noise": noise,
+            "rebench": [e for e in entries if e.get("phase") == "rebench"]}
 
 
 def _verdict(row: dict, verdicts: dict[str, str], winner: dict | None) -> str:
@@ -161,13 +172,15 @@ def print_summary(host: str, camp: Campaign) -> None:
     from .output import print_table, table
 
     data = collect(host, camp)
-    t = table(f"{host}: campaign {camp.name}: {camp.objective.sense} {camp.objective.written}, min_gain "
-              f"{data['min_gain'] * 100:.1f}% ({data['min_gain_how']})",
-              ["trial", "changed vs base", camp.objective.written, "vs base", "constraints", "verdict"])
+    runs = ["runs (why repeating stopped)"] if camp.sequential else []
+    t = table(f"{host}: campaign {camp.name}: {camp.objective.sense} {camp.objective.written}, {rule_text(data)}",
+              ["trial", "changed vs base", camp.objective.written, "vs base", "start", "constraints"] + runs
+              + ["verdict"])
     for r in data["rows"]:
         changes = r["flags"] + [f"+ patch {p}" for p in r.get("added_patches") or []]
-        t.add_row(r["trial"], "\n".join(changes) or "(same as base)", objective_cell(r), vs_base(r),
-                  constraints_met(r), r["verdict"])
+        t.add_row(r["trial"] + ("\n(warm start)" if r.get("warm_from") else ""), "\n".join(changes) or "(same as base)",
+                  objective_cell(r), vs_base(r), start_short(r),
+                  constraints_met(r), *([runs_cell(r)] if runs else []), r["verdict"])
     print_table(t)
 
 
@@ -175,8 +188,6 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
     """A fleet campaign's report data: every host's rows (collect), each with its `host`; the
     verdicts and the winner the fleet's (each objective relative to its own host's base); each
     host's base row named base@host."""
-    from .tunefleet import fleet_dir, fleet_winner
-
     datas, done_by_host = {}, {}
     for h in hosts:
         try:
@@ -337,7 +348,42 @@ def script_diff(data: dict) -> str:
 
 def objective_cell(row: dict) -> str:
     ci = row.get("objective_ci")
-    return fmt(row.get("objective")) + (f" ± {fmt((ci[1] - ci[0]) / 2)}" if ci else "")
+    n = row.get("runs") or 0
+    return (fmt(row.get("objective")) + (f" ± {fmt((ci[1] - ci[0]) / 2)}" if ci else "")
+            + (f" ({n} runs)" if n > 1 else ""))
+
+
+def runs_cell(row: dict) -> str:
+    """A sequential campaign's runs of a trial and why repeating stopped (the re-bench's runs apart)."""
+    if not row.get("runs"):
+        return "-"
+    extra = f" + {row['rebenched']} re-bench" if row.get("rebenched") else ""
+    return f"{row['runs'] - (row.get('rebenched') or 0)}{extra}: {row.get('repeat_stop') or '-'}"
+
+
+def repeat_lines(data: dict) -> list[str]:
+    """A sequential campaign: each feasible trial's runs, interval and why repeating stopped; then
+    each re-bench run and why the re-bench ended."""
+    if not data["campaign"].sequential:
+        return []
+    out = [f"{r['trial']}: {objective_cell(r)}; {runs_cell(r)}" for r in data["rows"] if r.get("runs")]
+    for e in data.get("rebench") or []:
+        if e.get("trial"):
+            out.append(f"re-bench round {e.get('round')}: {e['trial']}: "
+                       + (fmt(e["runs"][0]) if e.get("runs") else f"{e.get('outcome')}: {e.get('reason') or ''}"))
+        elif e.get("outcome") == "finished":
+            out.append(f"re-bench ended: {e.get('reason')}")
+    return out
+
+
+def rule_text(data: dict) -> str:
+    """How the campaign told a gain from noise: its intervals' noise, or min_gain."""
+    camp = data["campaign"]
+    if camp.sequential:
+        noise = data.get("noise")
+        return (f"{camp.confidence * 100:g}% intervals, noise {noise.how}" if noise else
+                f"{camp.confidence * 100:g}% intervals, no noise measured")
+    return f"min_gain {data['min_gain'] * 100:.1f}% ({data['min_gain_how']})"
 
 
 def _md(value) -> str:
@@ -354,14 +400,26 @@ def _code(value) -> str:
 
 def head(camp: Campaign, fleet: bool = False) -> list[str]:
     return (["host"] * fleet + ["trial", "flags vs base", "patches", "outcome", camp.objective.written, "vs base"]
-            + [t for _k, t in metric_columns(camp)] + ["verdict"])
+            + [t for _k, t in metric_columns(camp)] + ["start-up", "verdict"])
 
 
 def cells(r: dict, camp: Campaign) -> list[tuple[str, list[str]]]:
     """A trials-table row as (data key, lines): flags one per line, every other cell one line."""
-    return ([("host", [r["host"]])] if "host" in r else []) + ([("trial", [r["trial"]]), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
+    trial = [r["trial"]] + ([f"warm start: {r['warm_from']}"] if r.get("warm_from") else [])
+    return ([("host", [r["host"]])] if "host" in r else []) + ([("trial", trial), ("flags", r["flags"] or ["(same as base)"]), ("patches", [r["patches"]]),
              ("outcome", [_outcome(r)]), ("objective", [objective_cell(r)]), ("vs_base", [vs_base(r)])]
-            + [(k, [fmt(r.get(k))]) for k, _t in metric_columns(camp)] + [("verdict", [r["verdict"]])])
+            + [(k, [fmt(r.get(k))]) for k, _t in metric_columns(camp)] + [("start", [start_cell(r)])]
+            + [("verdict", [r["verdict"]])])
+
+
+def start_short(r: dict) -> str:
+    """The console's start column: time to healthy (the report has the engine's phases too)."""
+    return f"{r['start']['start_s']:.1f}s" if "start_s" in (r.get("start") or {}) else "-"
+
+
+def start_cell(r: dict) -> str:
+    """The trial's start-up: time to healthy and the engine's own phases (`start to healthy 35.2s (capture 12.1s)`)."""
+    return start_text(r["start"]) if r.get("start") else "-"
 
 
 def crash_lines(f: dict) -> list[tuple[str, str]]:
@@ -383,7 +441,10 @@ def crash_lines(f: dict) -> list[tuple[str, str]]:
 def _footnote(data: dict) -> str:
     camp = data["campaign"]
     text = f"Metrics at level {camp.objective.level}; vs base: the objective's change against the base trial."
-    if has_intervals(data):
+    if data["campaign"].sequential and data.get("noise"):
+        text += (f" ± is the {data['campaign'].confidence * 100:g}% interval of the trial's runs, on the campaign's "
+                 f"noise ({data['noise'].how}).")
+    elif has_intervals(data):
         text += " ± is the 95% interval of repeated runs."
     return text
 
@@ -400,7 +461,9 @@ def markdown(data: dict) -> str:
         lines += [_md(camp.data["description"]), ""]
     lines += [f"- objective: {camp.objective.sense} `{camp.objective.written}`",
               "- constraints: " + (", ".join(f"`{_code(c)}`" for c in _constraints(camp)) or "none"),
-              f"- min_gain: {data['min_gain'] * 100:.1f}% ({_md(data['min_gain_how'])}): a smaller difference is a tie",
+              (f"- verdicts: {_md(rule_text(data))}; a trial was benched again while unsure, up to "
+               f"{camp.max_repeats} runs" if camp.sequential else
+               f"- min_gain: {data['min_gain'] * 100:.1f}% ({_md(data['min_gain_how'])}): a smaller difference is a tie"),
               f"- trials: {len(data['rows'])} (log: `{data['log']}`)"]
     lines += [f"- log: {_md(p)}" for p in data["problems"]]
     w = data["winner"]
@@ -411,6 +474,9 @@ def markdown(data: dict) -> str:
     for r in data["rows"]:
         lines.append("| " + " | ".join("<br>".join(_md(x) for x in text) for _k, text in cells(r, camp)) + " |")
     lines += ["", _footnote(data), ""]
+    repeats = repeat_lines(data)
+    if repeats:
+        lines += ["## Repeats and the end re-bench", ""] + [f"- {_md(x)}" for x in repeats] + [""]
     lines += ["## Pareto front per level", ""]
     for lv, front in pareto_by_level(data).items():
         lines.append(f"- level {lv}: " + (", ".join(f"{_md(t)} ({fmt(tps)} tok/s, TTFT p99 {fmt(ttft)} ms)"
@@ -472,8 +538,9 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
         out.append(f"<p>{e(str(camp.data['description']))}</p>")
     out.append(f"<p>Objective: {e(camp.objective.sense)} <code>{e(camp.objective.written)}</code>; constraints: "
                + (", ".join(f"<code class='constraint'>{e(c)}</code>" for c in _constraints(camp)) or "none")
-               + f"; min_gain <span id='min-gain'>{data['min_gain'] * 100:.1f}%</span> ({e(data['min_gain_how'])}): "
-               "a smaller difference is a tie.</p>")
+               + (f"; verdicts: <span id='rule'>{e(rule_text(data))}</span>.</p>" if camp.sequential else
+                  f"; min_gain <span id='min-gain'>{data['min_gain'] * 100:.1f}%</span> ({e(data['min_gain_how'])}): "
+                  "a smaller difference is a tie.</p>"))
     out += [f"<p class='log-problem'>{e(p)}</p>" for p in data["problems"]]
     out.append(f"<p id='winner' data-trial='{e(w['trial'])}'><b>Winner: {e(w['trial'])}</b> ({e(w['label'])}): "
                f"{e(camp.objective.written)} = {e(objective_cell(w))}</p>" if w
@@ -485,11 +552,15 @@ def html_page(data: dict, pngs: dict[str, bytes]) -> str:
         tds = []
         for key, text in cells(r, camp):
             body = ("".join(f"<div class='flag'>{e(x)}</div>" for x in text) if key == "flags" else e(text[0])
-                    + (f"<br><small>{e(r['label'])}</small>" if key == "trial" else ""))
+                    + (f"<br><small>{e(r['label'])}</small>" if key == "trial" else "")
+                    + "".join(f"<br><small class='warm'>{e(x)}</small>" for x in text[1:] if key == "trial"))
             tds.append(f"<td{' class=num' if key in _NUMERIC else ''} data-key='{key}'>{body}</td>")
         host = f" data-host='{e(r['host'])}'" if "host" in r else ""
         out.append(f"<tr class='{cls}' data-trial='{e(r['trial'])}'{host}>" + "".join(tds) + "</tr>")
     out.append(f"</table><p id='footnote'><small>{e(_footnote(data))}</small></p>")
+    if repeat_lines(data):
+        out.append("<h2>Repeats and the end re-bench</h2><ul id='repeats'>"
+                   + "".join(f"<li>{e(x)}</li>" for x in repeat_lines(data)) + "</ul>")
     out.append("<h2>Pareto front per level</h2><ul id='pareto'>")
     for lv, front in pareto_by_level(data).items():
         out.append(f"<li data-level='{lv}'>level {lv}: " + (", ".join(

@@ -305,7 +305,7 @@ def test_a_difference_within_min_gain_is_a_tie_the_incumbent_keeps(tmp_path):
     """Issue 20.2: the lab crowned a trial "best so far" on a 0.4% single-run difference. A trial
     now takes the lead only when it beats the incumbent by more than min_gain."""
     from servops.campaign import load_campaign
-    from servops.tune import DEFAULT_MIN_GAIN, min_gain, standings
+    from servops.campaignrecord import DEFAULT_MIN_GAIN, min_gain, standings
 
     path = tmp_path / "c.yml"
     path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16, min_gain: 2%}\n")

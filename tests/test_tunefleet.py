@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, one_line_error, playbooks_with, run_invoke
-from servops import hostfacts, tunefleet
+from servops import campaignrecord, hostfacts, tunefleet
 from servops.campaign import load_campaign
 from servops.lab.sshd import free_port, make_server
 from servops.remote import procs
@@ -66,11 +66,11 @@ def test_the_fleets_winner_is_measured_against_each_hosts_own_base(tmp_path):
                  {"trial": "s003", "outcome": "crashed", "at": "5"}],
         "gpu3": [{"trial": "base", "outcome": "crashed", "at": "2"}],   # no base: nothing of it compares
     }
-    entries = tunefleet.relative_entries(done)
+    entries = campaignrecord.relative_entries(done)
     assert [(e["host"], e["trial"]) for e in entries] == [("gpu1", "base"), ("gpu2", "base"), ("gpu1", "s001"),
                                                          ("gpu2", "s002"), ("gpu2", "s003")]
     assert entries[3]["objective"] == pytest.approx(1.2) and entries[3]["raw"] == 600.0
-    winner, verdicts, gain, how = tunefleet.fleet_winner(camp, done)
+    winner, verdicts, gain, how = campaignrecord.fleet_winner(camp, done)
     assert (winner["host"], winner["trial"]) == ("gpu2", "s002") and gain == pytest.approx(0.02)
     assert verdicts[("gpu2", "base")].startswith("tie: +0.0% vs base@gpu1")
     assert verdicts[("gpu1", "s001")] == "+10.0% over base@gpu1: the new best"
@@ -79,7 +79,7 @@ def test_the_fleets_winner_is_measured_against_each_hosts_own_base(tmp_path):
     path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16}\n")
     camp = load_campaign(str(path))
     done["gpu1"][0]["noise"], done["gpu2"][0]["noise"] = {"band": 0.01}, {"band": 0.04}
-    assert tunefleet.fleet_gain(camp, done)[0] == pytest.approx(0.04)
+    assert campaignrecord.fleet_gain(camp, done)[0] == pytest.approx(0.04)
     assert tunefleet.batches(["a", "b", "c"], 2) == [["a", "b"], ["c"]] and tunefleet.batches(["a", "b"], None) == [["a", "b"]]
     assert tunefleet.point_key({"x": 1}, "{}", ["p", "q"]) == tunefleet.point_key({"x": 1}, "{}", ["q", "p"])
     assert tunefleet.point_key({"x": 1}, "{}", []) != tunefleet.point_key({"x": 2}, "{}", [])

@@ -24,4 +24,8 @@ ENGINE = Engine(
              "server_info": "/server_info"},
     process_names=("sglang::scheduler", "sglang::detokenizer"),
     files_var="server_files",  # the lab's double ships its own server module with the release
+    # "Capture cuda graph end. Time elapsed: 69.83 s. mem usage=0.75 GB." (tests/fixtures/real/healthy:
+    # sglang-pr11830, sglang-19718); the piecewise capture logs its own line the same way
+    start_times=(("capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s"),
+                 ("piecewise_capture_s", r"Capture piecewise CUDA graph end\. Time elapsed: ([0-9.]+) s")),
 )

@@ -22,6 +22,19 @@ Generation speed (see Pacer for the model; prompt tokens are input_ids, else wor
   SGLANG_DOUBLE_RUN_JITTER         J: each busy period (idle to idle: one bench run) decodes at a
                                    speed drawn uniformly within +-J of nominal, as run-to-run
                                    noise on real GPUs; default 0
+  SGLANG_DOUBLE_SEED               seeds those draws: the same seed, server args and port give the
+                                   same speeds, start after start (the Nth start of a setting draws
+                                   the Nth stream: counted in $TMPDIR/sglang-double-starts/)
+Start-up and crashes, as the server args make them:
+  SGLANG_DOUBLE_CAPTURE_PER_BS     seconds per CUDA-graph batch size captured at start (sglang's
+                                   sizes 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs; none
+                                   with --disable-cuda-graph), logged as sglang logs it: "Capture
+                                   cuda graph end. Time elapsed: X s"; default 0
+  SGLANG_DOUBLE_CRASH_IF           conditions on server args ("mem-fraction-static>0.88", several
+                                   joined by ","; any one true): the capture runs out of GPU memory
+                                   at start, with sglang's own traceback (sglang issue 5285)
+  SGLANG_DOUBLE_CRASH_UNDER_LOAD_IF  the same, true: serves, then dies with torch's CUDA OOM as
+                                   soon as 8 or more requests run at once
 Server args the model reads: --cuda-graph-max-bs (256), --disable-cuda-graph,
 --max-running-requests (no cap), --mem-fraction-static (0.9): KV cache = GPU_TOKENS x
 (mem-fraction-static - WEIGHTS_FRACTION) tokens; a request holds prompt + max_tokens of it.
@@ -467,6 +480,10 @@ class Double:
         start = time.monotonic()
         self.requests.labels(m).inc()
         pacer.busy()
+        if pacer.crash_under_load and pacer.active >= 8:
+            log(f"load crash: {pacer.crash_under_load} with {pacer.active} requests running")
+            print(LOAD_OOM, flush=True)
+            os._exit(1)
         seq = None
         try:
             if pacer.paced:
@@ -605,6 +622,78 @@ class Double:
                                  "running or waiting requests, the operation will not be performed.)\n")
 
 
+def seed_text(args) -> str | None:
+    """SGLANG_DOUBLE_SEED: the run-to-run draws' seed, from the seed, the server args and how
+    many times this setting has started (None: unseeded)."""
+    seed = os.environ.get("SGLANG_DOUBLE_SEED")
+    if not seed:
+        return None
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(f"{seed}\0{getattr(args, 'port', '')}\0{' '.join(sys.argv[1:])}".encode()).hexdigest()[:20]
+    d = os.path.join(tempfile.gettempdir(), "sglang-double-starts")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, key)
+    try:
+        with open(path) as f:
+            starts = int(f.read() or 0)
+    except (OSError, ValueError):
+        starts = 0
+    with open(path, "w") as f:
+        f.write(str(starts + 1))
+    return f"{key}:{starts}"
+
+
+def crash_region(args, conditions: str) -> str | None:
+    """The first of `conditions` ("mem-fraction-static>0.88,cuda-graph-max-bs>=256") the server
+    args meet, as written (None: none)."""
+    import operator
+    import re
+
+    ops = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+    arg = _server_args(args)
+    for cond in filter(None, (c.strip() for c in conditions.split(","))):
+        m = re.fullmatch(r"([a-z0-9-]+)\s*(>=|<=|==|>|<)\s*([0-9.]+)", cond)
+        if not m:
+            continue
+        value = arg(m[1].replace("-", "_"), float)
+        if value is not None and ops[m[2]](float(value), float(m[3])):
+            return cond
+    return None
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """The batch sizes sglang captures CUDA graphs for: 1, 2, 4, 8, then every 8 up to max_bs."""
+    return [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+
+
+# The capture's OOM at start, as sglang 0.4 printed it (github.com/sgl-project/sglang/issues/5285)
+CAPTURE_OOM = """Traceback (most recent call last):
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 2009, in run_scheduler_process
+    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, dp_rank)
+  File "/sgl-workspace/sglang/python/sglang/srt/model_executor/model_runner.py", line 216, in initialize
+    self.init_cuda_graphs()
+  File "/sgl-workspace/sglang/python/sglang/srt/model_executor/model_runner.py", line 934, in init_cuda_graphs
+    self.cuda_graph_runner = CudaGraphRunner(self)
+  File "/sgl-workspace/sglang/python/sglang/srt/model_executor/cuda_graph_runner.py", line 269, in __init__
+    raise Exception(
+Exception: Capture cuda graph failed: CUDA out of memory. Tried to allocate 448.00 MiB. GPU 7 has a total capacity of 95.00 GiB of which 283.12 MiB is free.
+Possible solutions:
+1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)
+2. set --cuda-graph-max-bs to a smaller value (e.g., 16)
+3. disable torch compile by not using --enable-torch-compile
+4. disable CUDA graph by --disable-cuda-graph. (Not recommended. Huge performance loss)"""
+
+# Running out of memory while serving, as torch says it (github.com/sgl-project/sglang/issues/23602)
+LOAD_OOM = """Traceback (most recent call last):
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 2952, in run_scheduler_process
+    scheduler.event_loop_overlap()
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 1009, in event_loop_overlap
+    batch_result = self.run_batch(batch)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of 95.07 GiB of which 298.69 MiB is free."""
+
+
 def _server_args(args):
     """arg(name, type): the server arg from the parsed namespace, else from the command line (a
     parser that leaves the flag unparsed), else None."""
@@ -690,7 +779,8 @@ class Pacer:
         self.compiled: set = set()
         self.jitter = float(env("SGLANG_DOUBLE_RUN_JITTER", "0"))
         self.speed = 1.0
-        self._rng = random.Random()
+        self._rng = random.Random(seed_text(args))
+        self.crash_under_load = crash_region(args, env("SGLANG_DOUBLE_CRASH_UNDER_LOAD_IF", ""))
         self.paced = token_delay > 0 or self.step_per_seq > 0
         self.waiting: deque = deque()
         self.running: set = set()
@@ -861,6 +951,22 @@ def main(argv=None):
     if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
         time.sleep(load_time)
     log("Load weight end.")
+    arg = _server_args(args)
+    crash = crash_region(args, os.environ.get("SGLANG_DOUBLE_CRASH_IF", ""))
+    per_bs = float(os.environ.get("SGLANG_DOUBLE_CAPTURE_PER_BS", "0") or 0)
+    if (per_bs or crash) and not arg("disable_cuda_graph", bool):
+        log("Capture cuda graph begin. This can take up to several minutes. avail mem=12.25 GB")
+        t0 = time.monotonic()
+        time.sleep(per_bs * len(capture_sizes(int(arg("cuda_graph_max_bs", int) or 256))))
+        if crash:
+            log(f"capture crash: {crash}")
+            print(CAPTURE_OOM, flush=True)
+            sys.exit(1)
+        log(f"Capture cuda graph end. Time elapsed: {time.monotonic() - t0:.2f} s. mem usage=0.75 GB. "
+            "avail mem=11.49 GB.")
+    elif crash:
+        print(CAPTURE_OOM, flush=True)
+        sys.exit(1)
     double = Double(args)
     app = web.Application()
     routes = double.shape["routes"]

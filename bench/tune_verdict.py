@@ -1,0 +1,134 @@
+"""Repeats until the verdict is sure: how often the truly best of 8 candidates wins, and at how
+many benches, with today's single-run campaign beside the sequential one (issue 40.1).
+
+The setup: 8 trials (the base and 7 candidates), one candidate truly 4% faster than the other
+seven, each bench run drawn from the SGLang double's noise model (servops/lab/sglang_double.py
+Pacer.busy: each run decodes at a speed uniformly within +-J of nominal, J = 5%, so output tok/s
+= true / speed). Deploying 8 x 10 seeds x 2 campaigns would measure the same draws slower; the
+verdicts are tune's own code:
+
+- today (max_repeats 1): one run per trial, the base benched twice and their spread min_gain;
+  campaignrecord.standings picks the winner (a trial leads only when it beats the incumbent by
+  more than min_gain).
+- sequential (max_repeats 2): as tune.Runner does it -- the base twice (the noise), each trial
+  benched again while verdict.next_step says unsure, then the end re-bench of the finalists
+  (verdict.final_rounds / finalists), and campaignrecord.standings' winner: the finalist with
+  the best lower bound.
+
+    .venv/bin/python bench/tune_verdict.py      # last lines: wins of 10 seeds and benches, both
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from servops import verdict  # noqa: E402
+from servops.campaign import load_campaign  # noqa: E402
+from servops.campaignrecord import min_gain, standings, trial_runs  # noqa: E402
+
+JITTER = 0.05        # SGLANG_DOUBLE_RUN_JITTER
+TRIALS, GAIN = 8, 0.04
+SEEDS = range(10)
+MORE_SEEDS = range(1000)   # the long-run rate, for the record
+
+
+def campaign(max_repeats: int):
+    d = Path(tempfile.mkdtemp())
+    (d / "c.yml").write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16"
+                             + (f", max_repeats: {max_repeats}" if max_repeats > 1 else "") + "}\n")
+    return load_campaign(str(d / "c.yml"))
+
+
+def draw(rng: random.Random, true: float) -> float:
+    return true / (1.0 + rng.uniform(-JITTER, JITTER))   # the double's Pacer.busy, one run
+
+
+def today(camp, trues: dict[str, float], rng) -> tuple[str, int]:
+    """One run per trial; the base twice (its spread: min_gain)."""
+    v1, v2 = draw(rng, trues["base"]), draw(rng, trues["base"])
+    done = [{"trial": "base", "outcome": "ok", "objective": v1,
+             "noise": {"band": abs(v1 - v2) / ((v1 + v2) / 2), "how": "two runs of the base"}}]
+    done += [{"trial": t, "outcome": "ok", "objective": draw(rng, v)} for t, v in trues.items() if t != "base"]
+    winner, _v = standings(camp, done, min_gain(camp, done)[0])
+    return winner["trial"], len(done) + 1
+
+
+def sequential(camp, trues: dict[str, float], rng) -> tuple[str, int]:
+    """As tune.Runner: _repeats for each trial, then _rebench."""
+    done: list[dict] = []
+    benches = 0
+    for t, true in trues.items():
+        incumbent, _v = standings(camp, done, 0.0)
+        others = trial_runs(done)
+        runs = [draw(rng, true)]
+        benches += 1
+        while True:
+            noise = verdict.pooled_noise(dict(others, **{t: runs}))
+            if incumbent is None:
+                again = len(runs) < 2
+            else:
+                again, _why = verdict.next_step(others[incumbent["trial"]], runs, noise, camp.objective.sense,
+                                                camp.max_repeats, 0.0, camp.confidence)
+            if not again:
+                break
+            runs.append(draw(rng, true))
+            benches += 1
+        done.append({"trial": t, "outcome": "ok", "objective": statistics.fmean(runs), "runs": runs})
+    rebenched: dict[str, list[float]] = {}
+    for top in verdict.final_rounds(camp.rebench_top):
+        runs_now = trial_runs(done, rebenched)
+        names = verdict.finalists(runs_now, verdict.pooled_noise(runs_now), camp.objective.sense, top,
+                                  camp.confidence)
+        if len(names) < 2:
+            break
+        for t in names:
+            rebenched.setdefault(t, []).append(draw(rng, trues[t]))
+            benches += 1
+    winner, _v = standings(camp, done, 0.0, rebenched)
+    return winner["trial"], benches
+
+
+def trues_of(seed: int) -> tuple[dict[str, float], str]:
+    best = f"c{random.Random(seed).randrange(1, TRIALS)}"
+    trues = {"base": 1000.0, **{f"c{i}": 1000.0 for i in range(1, TRIALS)}}
+    trues[best] = 1000.0 * (1 + GAIN)
+    return trues, best
+
+
+def score(fn, camp, seeds) -> tuple[int, list[int]]:
+    wins, benches = 0, []
+    for s in seeds:
+        trues, best = trues_of(s)
+        got, n = fn(camp, trues, random.Random(1_000_003 * s + 7))
+        wins += got == best
+        benches.append(n)
+    return wins, benches
+
+
+def main() -> None:
+    old, new = campaign(1), campaign(2)
+    print(f"{TRIALS} trials, one truly {GAIN:.0%} better; run-to-run noise: speed uniform within +-{JITTER:.0%} "
+          f"(the double's RUN_JITTER; {JITTER / 3 ** 0.5:.1%} standard deviation a run)")
+    rows = {}
+    for name, fn, camp in (("today (one run each, min_gain)", today, old),
+                           (f"sequential (max_repeats {new.max_repeats}, {new.confidence:.0%} intervals, "
+                            f"re-bench top {new.rebench_top})", sequential, new)):
+        wins, benches = score(fn, camp, SEEDS)
+        long_wins, long_benches = score(fn, camp, MORE_SEEDS)
+        rows[fn.__name__] = (wins, statistics.fmean(benches))
+        print(f"{name}: the true best won {wins}/{len(SEEDS)} seeds at {statistics.fmean(benches):.1f} benches "
+              f"(over {len(MORE_SEEDS)} seeds: {long_wins / len(MORE_SEEDS):.1%} at "
+              f"{statistics.fmean(long_benches):.1f})")
+    (w0, b0), (w1, b1) = rows["today"], rows["sequential"]
+    print(f"wins: {w1}/{len(SEEDS)} vs today's {w0}/{len(SEEDS)} (goal >= 9/10)")
+    print(f"benches: {b1:.1f} vs today's {b0:.1f} = {b1 / b0:.2f}x (goal <= 2x)")
+
+
+if __name__ == "__main__":
+    main()
