@@ -105,7 +105,8 @@ def no_stale_shell_lock():
 # Files the tests edit; restored after every test so the cached venv stays pristine.
 WATCHED = ["flashinfer/jit/cpp_ext.py", "flashinfer/jit/env.py", "flashinfer/__init__.py"]
 # ... and in the sglang release venvs, what the piecewise fix set patches there
-SGLANG_WATCHED = ["sglang/srt/layers/quantization/fp8_utils.py"]
+SGLANG_WATCHED = ["sglang/srt/layers/quantization/fp8_utils.py",
+                  "sglang/srt/layers/quantization/modelopt_quant.py"]
 
 
 def bench_script(name: str):

@@ -1,0 +1,244 @@
+"""The seed's own path, per sglang release: FlashInfer's fp4_quantize, which sglang's NVFP4 linear
+(ModelOptFp4LinearMethod.apply) calls bare on Blackwell in 0.5.4.post2-0.5.11, made an opaque
+torch.library custom op by the sglang patches flashinfer-fp4-quantize-custom-op-<first release>.
+
+The sweep (bench/sglang_fp4_call_sweep.py) reads each released wheel: each patch applies with real
+patch(1), no fuzz, exactly where its applies_to says, removes the bare call, is refused a second time
+and reverts to the exact bytes; everywhere else it is outside applies_to ("version does not match").
+
+The proof runs on this machine's CPU torch (no Blackwell is lent): the real import block of the
+release's modelopt_quant.py, pristine and patched, with the real FlashInfer release that sglang
+release pins (its wheel and its pure-Python dependencies, no CUDA), the real call of
+ModelOptFp4LinearMethod.apply compiled under torch.compile(fullgraph=True) with fake CUDA tensors
+(FakeTensorMode). The machine states the GPU: torch.cuda.get_device_capability answers (12, 0),
+torch.version.cuda "12.9" and sglang's is_sm120_supported() True, as an SM120 host answers. Pristine, dynamo walks into FlashInfer's
+SM120 module loader and stops at the seed's Unsupported (_thread.allocate_lock in the CUDA version
+query); with FlashInfer's version patch alone it stops later, in FlashInfer; patched, the call site
+compiles into one call of sglang::flashinfer_fp4_quantize whose fake outputs have FlashInfer's
+shapes and dtypes. NOT proven here: the kernel's result (eager vs compiled on a real SM120 GPU) and
+the CUDA-graph capture and replay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from conftest import bench_script
+from servops.lab import venvs
+from servops.patchstore import find_patch
+from servops.playbooks import load_variant, resolve
+
+sweep = bench_script("sglang_fp4_call_sweep")
+FIRST_BARE, FIRST_WRAPPED = Version("0.5.4.post2"), Version("0.5.12")  # read from the wheels
+# FlashInfer's own imports that are pure Python (its CUDA-side ones are not needed to trace)
+FLASHINFER_DEPS = ["click", "einops", "ninja", "nvidia-ml-py", "requests", "tabulate", "tqdm", "urllib3",
+                   "certifi", "charset-normalizer", "idna"]
+
+
+@pytest.mark.parametrize("version", sweep.RELEASES)
+def test_each_fp4_patch_covers_exactly_the_releases_with_its_bare_call(version):
+    row = sweep.check_release(version)
+    if not row["cached"]:
+        pytest.skip(f"sglang {version}: not cached and the download failed (offline?)")
+    bare = any(s.startswith("fp4_quantize in ModelOptFp4LinearMethod.apply") for s in row["bare_linear"])
+    assert bare == (FIRST_BARE <= Version(version) < FIRST_WRAPPED), row["bare_linear"]
+    covering = [n for n, e in row["patches"].items() if e["in_applies_to"]]
+    assert len(covering) == (1 if bare else 0), covering
+    for name, entry in row["patches"].items():
+        assert entry.get("applies", False) == entry["in_applies_to"], (name, entry)  # -F0 exactly there
+        if entry["in_applies_to"]:
+            assert entry["fixed"] and entry["reapply_refused"] and entry["reverts_exactly"], (name, entry)
+    assert "PROBLEM" not in sweep.verdict(row)
+
+
+def test_outside_applies_to_the_patch_says_version_does_not_match():
+    patch = find_patch("flashinfer-fp4-quantize-custom-op-0.5.10")
+    assert patch.version_ok("0.5.11") and not patch.version_ok("0.5.12") and not patch.version_ok("0.5.9")
+
+
+@pytest.mark.parametrize("version,fp4_patch", [
+    ("0.5.4.post1", None),
+    ("0.5.4.post2", "flashinfer-fp4-quantize-custom-op-0.5.4.post2"),
+    ("0.5.6", "flashinfer-fp4-quantize-custom-op-0.5.4.post3"),
+    ("0.5.9", "flashinfer-fp4-quantize-custom-op-0.5.9"),
+    ("0.5.11", "flashinfer-fp4-quantize-custom-op-0.5.10"),
+    ("0.5.12", None),
+    ("0.5.17", None),
+])
+def test_piecewise_adds_the_fp4_patch_of_each_release(version, fp4_patch):
+    resolved, rules = resolve(load_variant("piecewise"), version)
+    fp4 = [p for p in resolved["patches"] if p.startswith("flashinfer-fp4-quantize-custom-op")]
+    assert fp4 == ([fp4_patch] if fp4_patch else [])
+    assert resolved["patches"][0] == "cuda-version-no-subprocess"
+
+
+# -- the proof on CPU torch ---------------------------------------------------------------------------------
+
+HARNESS = r'''
+import ast, json, sys, traceback
+args = json.loads(sys.stdin.read())
+sys.path[:0] = args["path"]
+import torch, torch._dynamo
+from torch._subclasses.fake_tensor import FakeTensorMode
+# The machine states its GPU and CUDA as an SM120 host's CUDA build of torch does (this CPU build has
+# neither): FlashInfer picks its SM120 module from these answers, sglang its FlashInfer import from
+# is_sm120_supported().
+torch.cuda.get_device_capability = lambda device=None: (12, 0)
+torch.version.cuda = "12.9"
+import flashinfer
+source = open(args["module"]).read()
+tree = ast.parse(source)
+block = next(n for n in tree.body if isinstance(n, ast.Try)
+             and "from flashinfer import fp4_quantize" in ast.get_source_segment(source, n))
+ns = {"torch": torch, "is_sm120_supported": lambda: True}
+exec(compile(ast.Module([block], []), args["module"], "exec"), ns)
+apply = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ModelOptFp4LinearMethod")
+call = next(n for n in ast.walk(apply) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "fp4_quantize")
+site_src = "def call_site(x, layer):\n    return " + ast.get_source_segment(source, call) + "\n"
+exec(site_src, ns)
+graphs = []
+def backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+out = {"flashinfer": flashinfer.__version__, "call": ast.get_source_segment(source, call), "cases": []}
+for m, k, dynamic in args["cases"]:
+    torch._dynamo.reset()
+    graphs.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+        layer = torch.nn.Module()
+        layer.input_scale_inv = torch.nn.Parameter(torch.empty(1, device="cuda"), requires_grad=False)
+        if dynamic:
+            torch._dynamo.mark_dynamic(x, 0)
+        try:
+            res = torch.compile(ns["call_site"], fullgraph=True, backend=backend)(x, layer)
+        except torch._dynamo.exc.Unsupported as e:
+            out["cases"].append({"result": "unsupported", "message": str(e), "traceback": traceback.format_exc()})
+            continue
+        ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+        out["cases"].append({"result": "compiled", "ops": ops,
+                             "outputs": [[list(t.shape), str(t.dtype), t.device.type] for t in res]})
+print(json.dumps(out))
+'''
+
+
+def _pinned_flashinfer(sglang_version: str) -> str:
+    whl = sweep.wheel(sglang_version)
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist: flashinfer_python=="):
+                return line.split("==")[1].strip()
+    raise AssertionError(f"sglang {sglang_version} pins no flashinfer_python")
+
+
+def _pip(*argv: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *argv], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def flashinfer_deps() -> Path:
+    target = venvs.CACHE / "flashinfer-pure-deps"
+    if not (target / ".complete").exists():
+        _pip("install", "-q", "--no-deps", "--target", str(target), *FLASHINFER_DEPS)
+        (target / ".complete").touch()
+    return target
+
+
+def flashinfer_release(version: str) -> Path:
+    """The real flashinfer-python wheel of VERSION, unpacked once under the test cache."""
+    root = venvs.CACHE / f"flashinfer-{version}-src"
+    if not (root / "flashinfer" / "__init__.py").exists():
+        wheels = venvs.CACHE / "wheels"
+        found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+        if not found:
+            _pip("download", "-q", "--no-deps", "-d", str(wheels), f"flashinfer-python=={version}")
+            found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+        with zipfile.ZipFile(found[0]) as z:
+            z.extractall(root)
+    return root
+
+
+def prove(sglang_version: str, deps: Path, patches: list[str], flashinfer_patches: list[str] = (),
+          cases=((5, 32, False), (37, 256, True)), flashinfer: str | None = None) -> dict:
+    """Run HARNESS on the release's modelopt_quant.py with PATCHES applied (real patch(1)), against its
+    pinned FlashInfer (or FLASHINFER) with FLASHINFER_PATCHES applied to a copy."""
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(sweep.wheel(sglang_version)) as z:
+        site = Path(tmp) / "site"
+        (site / sweep.FILE).parent.mkdir(parents=True)
+        (site / sweep.FILE).write_bytes(z.read(sweep.FILE))
+        fi = Path(tmp) / "flashinfer"
+        subprocess.run(["cp", "-a", str(flashinfer_release(flashinfer or _pinned_flashinfer(sglang_version))), str(fi)], check=True)
+        for name, where in [(n, site) for n in patches] + [(n, fi) for n in flashinfer_patches]:
+            subprocess.run(["patch", "-p1", "-F0", "-N", "-s", "-d", str(where)], input=find_patch(name).text.encode(),
+                           check=True, capture_output=True)
+        args = {"path": [str(fi), str(deps)], "module": str(site / sweep.FILE), "cases": cases}
+        res = subprocess.run([str(venvs.build_venv() / "bin" / "python"), "-c", HARNESS], input=json.dumps(args),
+                             capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def expected_sf(flashinfer: str, m: int, k: int) -> list[int]:
+    """FlashInfer's scale-factor shape for a swizzled 128x4 layout: round_up(m,128) x round_up(k/16,4)
+    bytes, viewed as rows of k/16 (0.6.8 on: of round_up(k/16,4))."""
+    cols = k // 16
+    padded = (cols + 3) // 4 * 4
+    size = (m + 127) // 128 * 128 * padded
+    if Version(flashinfer).release >= (0, 6, 8):
+        cols = padded
+    return [size // cols, cols]
+
+
+# sglang release, its patch, the FlashInfer release it runs with: the pinned one, except 0.5.4.post2's
+# pin (0.4.1), published as an sdist only (no wheel to unpack): there the next release, 0.5.0.
+PROVEN = [("0.5.4.post2", "flashinfer-fp4-quantize-custom-op-0.5.4.post2", "0.5.0"),
+          ("0.5.6", "flashinfer-fp4-quantize-custom-op-0.5.4.post3", None),
+          ("0.5.9", "flashinfer-fp4-quantize-custom-op-0.5.9", None),
+          ("0.5.11", "flashinfer-fp4-quantize-custom-op-0.5.10", None)]
+
+
+@pytest.mark.parametrize("version,patch,flashinfer", PROVEN)
+def test_pristine_the_call_site_crashes_as_the_seed_and_patched_it_compiles(version, patch, flashinfer,
+                                                                             flashinfer_deps):
+    pristine = prove(version, flashinfer_deps, [], cases=((5, 32, False),), flashinfer=flashinfer)
+    assert pristine["flashinfer"] == (flashinfer or _pinned_flashinfer(version))
+    assert pristine["call"] in ("fp4_quantize(x, layer.input_scale_inv)",)
+    (case,) = pristine["cases"]
+    assert case["result"] == "unsupported", case
+    text = case["message"] + case["traceback"]
+    # the seed's crash, reached through FlashInfer's SM120 quantization module
+    assert "_thread.allocate_lock" in text and "get_cuda_version" in text, text[-3000:]
+    assert "fp4_quantization.py" in text and "gen_fp4_quantization_sm120" in text, text[-3000:]
+
+    fixed = prove(version, flashinfer_deps, [patch], flashinfer=flashinfer)
+    for (m, k, dynamic), case in zip(((5, 32, False), (37, 256, True)), fixed["cases"]):
+        assert case["result"] == "compiled", case
+        assert case["ops"].count("sglang.flashinfer_fp4_quantize.default") == 1, case["ops"]
+        assert not any("flashinfer" in op and "sglang" not in op for op in case["ops"]), case["ops"]
+        if not dynamic:  # FlashInfer's shapes and dtypes, on the input's device
+            assert case["outputs"] == [[[m, k // 2], "torch.uint8", "cuda"],
+                                       [expected_sf(fixed["flashinfer"], m, k), "torch.uint8", "cuda"]], case
+
+
+def test_flashinfers_version_patch_alone_leaves_dynamo_inside_flashinfer(flashinfer_deps):
+    """The issue's second crash, on the seed's path: with cuda-version-no-subprocess applied to FlashInfer
+    and sglang pristine, dynamo gets past the version query and walks on into FlashInfer's JIT (on this
+    CPU host it stops at the JIT's architecture check, which finds no GPU; on the GPU it went on to the
+    loader's file checks)."""
+    res = prove("0.5.9", flashinfer_deps, [], ["cuda-version-no-subprocess"], cases=((5, 32, False),))
+    (case,) = res["cases"]
+    assert case["result"] == "unsupported", case
+    text = case["message"] + case["traceback"]
+    assert "_thread.allocate_lock" not in text and "gen_fp4_quantization_module" in text, text[-3000:]
+    assert "flashinfer/jit/core.py" in text, text[-3000:]
+    fixed = prove("0.5.9", flashinfer_deps, ["flashinfer-fp4-quantize-custom-op-0.5.9"],
+                  ["cuda-version-no-subprocess"], cases=((5, 32, False),))
+    assert fixed["cases"][0]["result"] == "compiled", fixed
