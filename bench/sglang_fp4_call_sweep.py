@@ -1,7 +1,8 @@
 """Which sglang releases call FlashInfer's FP4 API bare inside the piecewise-compiled region (the seed's
 own path: NVFP4 models on Blackwell, where sglang's ModelOpt FP4 linear quantizes its input with
 FlashInfer's fp4_quantize on SM120 and multiplies with FlashInfer's mm_fp4), and do the shipped
-fixes (patches/sglang/flashinfer-fp4-quantize-custom-op-*.patch) cover exactly those?
+fixes (patches/sglang/flashinfer-fp4-quantize-custom-op-*.patch, flashinfer-mm-fp4-custom-op-*.patch)
+cover exactly those?
 
 For each `sglang==X` wheel (fetched once into ~/.cache/servops-tests/wheels) every module under
 sglang/srt/layers/ that names the FP4 API is read with ast. A call is "bare" when the name it calls
@@ -13,7 +14,8 @@ MoE layers: from 0.5.7 the piecewise capture reaches them only through sglang's 
 moe_forward_piecewise_cuda_graph_impl op), "kv" (FP4 KV-cache writes, inside the attention op the
 capture splits the graph at) or "weights" (weight loading, never captured). Each fix
 is applied to a copy of modelopt_quant.py with real patch(1), no fuzz, re-applied (must be refused)
-and reversed (must restore the exact bytes).
+and reversed (must restore the exact bytes); the fixes of one release are also applied together, in
+order, and reversed in reverse order.
 
     python bench/sglang_fp4_call_sweep.py            # the table over 0.5.3.post2 .. 0.5.23
     python bench/sglang_fp4_call_sweep.py 0.5.9      # some releases
@@ -36,7 +38,10 @@ from servops.lab.venvs import CACHE  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
 FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
-PATCHES = tuple(f"flashinfer-fp4-quantize-custom-op-{v}" for v in ("0.5.4.post2", "0.5.4.post3", "0.5.9", "0.5.10"))
+# each fix and the FlashInfer call it makes opaque
+PATCHES = {**{f"flashinfer-fp4-quantize-custom-op-{v}": "fp4_quantize"
+              for v in ("0.5.4.post2", "0.5.4.post3", "0.5.9", "0.5.10")},
+           **{f"flashinfer-mm-fp4-custom-op-{v}": "mm_fp4" for v in ("0.5.3.post2", "0.5.5")}}
 # FlashInfer's FP4 forward API as sglang calls it (quantize, GEMM, fused MoE)
 FP4_API = {"fp4_quantize", "mm_fp4", "trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe",
            "cutlass_fused_moe"}
@@ -159,7 +164,7 @@ def bare_linear(source: str, path: str = FILE) -> list[dict]:
 
 
 def try_patch(name: str, original: bytes) -> dict:
-    patch = find_patch(name)
+    patch, api = find_patch(name), PATCHES[name]
     row: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / FILE
@@ -167,10 +172,23 @@ def try_patch(name: str, original: bytes) -> dict:
         target.write_bytes(original)
         row["applies"] = _patch(Path(tmp), patch.text)
         if row["applies"]:
-            row["fixed"] = not [c for c in bare_linear(target.read_text()) if c["api"] == "fp4_quantize"]
+            row["fixed"] = not [c for c in bare_linear(target.read_text()) if c["api"] == api]
             row["reapply_refused"] = not _patch(Path(tmp), patch.text, "--dry-run")
             row["reverts_exactly"] = _patch(Path(tmp), patch.text, "-R") and target.read_bytes() == original
     return row
+
+
+def try_together(names: list[str], original: bytes) -> dict:
+    """Every fix of the release applied in order (no bare linear call left), reversed in reverse order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / FILE
+        target.parent.mkdir(parents=True)
+        target.write_bytes(original)
+        applied = all(_patch(Path(tmp), find_patch(n).text) for n in names)
+        clean = applied and not bare_linear(target.read_text())
+        reverted = applied and all(_patch(Path(tmp), find_patch(n).text, "-R") for n in reversed(names))
+        return {"applied": applied, "no_bare_linear": clean, "reverts_exactly": reverted
+                and target.read_bytes() == original}
 
 
 def check_release(version: str) -> dict:
@@ -191,28 +209,29 @@ def check_release(version: str) -> dict:
         if original is not None:
             entry.update(try_patch(name, original))
         row["patches"][name] = entry
+    covering = [n for n, e in row["patches"].items() if e["in_applies_to"]]
+    row["together"] = try_together(covering, original) if original is not None and covering else None
     return row
 
 
 def verdict(row: dict) -> str:
     if not row["cached"]:
         return "not downloadable (offline?)"
-    fp4q = any(s.startswith("fp4_quantize ") for s in row["bare_linear"])
-    covering = [n for n, e in row["patches"].items() if e["in_applies_to"]]
+    bare = {s.split()[0] for s in row["bare_linear"] if s.endswith("ModelOptFp4LinearMethod.apply")}
+    covering = {n: PATCHES[n] for n, e in row["patches"].items() if e["in_applies_to"]}
     problems = [f"{n} applies outside applies_to" for n, e in row["patches"].items()
                 if e.get("applies") and not e["in_applies_to"]]
     problems += [f"{n} in applies_to but {e}" for n, e in row["patches"].items() if e["in_applies_to"] and not (
         e.get("applies") and e.get("fixed") and e.get("reapply_refused") and e.get("reverts_exactly"))]
-    if fp4q and len(covering) != 1:
-        problems.append(f"bare fp4_quantize covered by {covering or 'no patch'}")
-    if not fp4q and covering:
-        problems.append(f"no bare fp4_quantize but in applies_to of {covering}")
+    if sorted(covering.values()) != sorted(bare):
+        problems.append(f"bare {sorted(bare)} but fixes {covering}")
+    if row["together"] and not all(row["together"].values()):
+        problems.append(f"together: {row['together']}")
     linear = ", ".join(row["bare_linear"]) or "no bare call"
-    fixed = f" (fp4_quantize: {covering[0]})" if covering else ""
-    unpatched = sorted({s.split()[0] for s in row["bare_linear"]} - {"fp4_quantize"})
+    fixes = f"; fixed by {', '.join(covering)}" if covering else ""
     moe = ("behind sglang's opaque MoE op" if row["moe_opaque"]
            else f"BARE ({len(row['bare_moe'])} call sites, no opaque MoE op)") if row["bare_moe"] else "none"
-    text = f"linear: {linear}{fixed}; unpatched: {', '.join(unpatched) or '-'}; moe FP4 calls: {moe}"
+    text = f"linear: {linear}{fixes}; moe FP4 calls: {moe}"
     return text + (f"  PROBLEM: {'; '.join(problems)}" if problems else "")
 
 
