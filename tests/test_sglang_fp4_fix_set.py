@@ -12,12 +12,13 @@ release's modelopt_quant.py, pristine and patched, with the real FlashInfer rele
 release pins (its wheel and its pure-Python dependencies, no CUDA), the real call of
 ModelOptFp4LinearMethod.apply compiled under torch.compile(fullgraph=True) with fake CUDA tensors
 (FakeTensorMode). The machine states the GPU: torch.cuda.get_device_capability answers (12, 0),
-torch.version.cuda "12.9" and sglang's is_sm120_supported() True, as an SM120 host answers. Pristine, dynamo walks into FlashInfer's
-SM120 module loader and stops at the seed's Unsupported (_thread.allocate_lock in the CUDA version
-query); with FlashInfer's version patch alone it stops later, in FlashInfer; patched, the call site
-compiles into one call of sglang::flashinfer_fp4_quantize whose fake outputs have FlashInfer's
-shapes and dtypes. NOT proven here: the kernel's result (eager vs compiled on a real SM120 GPU) and
-the CUDA-graph capture and replay."""
+torch.version.cuda "12.9" and sglang's is_sm120_supported() True, as an SM120 host answers.
+Pristine, dynamo walks fp4_quantize into FlashInfer's SM120 module loader and stops at the seed's
+Unsupported (_thread.allocate_lock in the CUDA version query), and mm_fp4 into FlashInfer's SM120
+CUTLASS JIT generation (posix.stat); with FlashInfer's version patch alone fp4_quantize still stops
+inside FlashInfer's JIT; patched, each call site compiles into one call of sglang's custom op whose
+fake outputs have FlashInfer's shapes and dtypes. NOT proven here: the kernels' results (eager vs
+compiled on a real SM120 GPU) and the CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
@@ -105,8 +106,10 @@ torch.version.cuda = "12.9"
 import flashinfer
 source = open(args["module"]).read()
 tree = ast.parse(source)
-IMPORTS = {"fp4_quantize": "from flashinfer import fp4_quantize", "fp4_gemm": "from flashinfer import mm_fp4 as fp4_gemm"}
-block = next(n for n in tree.body if isinstance(n, ast.Try) and IMPORTS[args["call"]] in ast.get_source_segment(source, n))
+IMPORTS = {"fp4_quantize": "from flashinfer import fp4_quantize",
+           "fp4_gemm": "from flashinfer import mm_fp4 as fp4_gemm"}
+block = next(n for n in tree.body
+             if isinstance(n, ast.Try) and IMPORTS[args["call"]] in ast.get_source_segment(source, n))
 # 0.5.3.post2-0.5.4.post3 pick mm_fp4's backend from SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM: set, as
 # 0.5.5 defaults to "cutlass" (FlashInfer's own default, cudnn, is not installed here)
 ns = {"torch": torch, "is_sm120_supported": lambda: True, "is_cuda": lambda: True,
@@ -202,7 +205,8 @@ def prove(sglang_version: str, deps: Path, patches: list[str], flashinfer_patche
         (site / sweep.FILE).parent.mkdir(parents=True)
         (site / sweep.FILE).write_bytes(z.read(sweep.FILE))
         fi = Path(tmp) / "flashinfer"
-        subprocess.run(["cp", "-a", str(flashinfer_release(flashinfer or _pinned_flashinfer(sglang_version))), str(fi)], check=True)
+        release = flashinfer_release(flashinfer or _pinned_flashinfer(sglang_version))
+        subprocess.run(["cp", "-a", str(release), str(fi)], check=True)
         for name, where in [(n, site) for n in patches] + [(n, fi) for n in flashinfer_patches]:
             subprocess.run(["patch", "-p1", "-F0", "-N", "-s", "-d", str(where)], input=find_patch(name).text.encode(),
                            check=True, capture_output=True)
