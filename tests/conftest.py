@@ -105,7 +105,8 @@ def no_stale_shell_lock():
 # Files the tests edit; restored after every test so the cached venv stays pristine.
 WATCHED = ["flashinfer/jit/cpp_ext.py", "flashinfer/jit/env.py", "flashinfer/__init__.py"]
 # ... and in the sglang release venvs, what the piecewise fix set patches there
-SGLANG_WATCHED = ["sglang/srt/layers/quantization/fp8_utils.py"]
+SGLANG_WATCHED = ["sglang/srt/layers/quantization/fp8_utils.py",
+                  "sglang/srt/layers/quantization/modelopt_quant.py"]
 
 
 def bench_script(name: str):
@@ -293,10 +294,13 @@ def sglang_venvs():
             record = record_of(site)
             if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
                 remote_venv.install_flashinfer(venv)
-            if any(record_hash(site / rel) != record[rel] for rel in SGLANG_WATCHED if rel in record):
+            # sglang's files are in sglang's own RECORD (flashinfer's has none of them)
+            with open(next(site.glob("sglang-*.dist-info")) / "RECORD", newline="") as fh:
+                sglang_record = {row[0]: row[1] for row in csv.reader(fh) if row and len(row) > 1}
+            if any(record_hash(site / rel) != sglang_record[rel] for rel in SGLANG_WATCHED if rel in sglang_record):
                 raise RuntimeError(f"{venv}: sglang's {SGLANG_WATCHED} drifted from RECORD (an interrupted "
                                    f"run?): remove the venv; it is rebuilt on next use")
-            watched = WATCHED + [rel for rel in SGLANG_WATCHED if rel in record]
+            watched = WATCHED + [rel for rel in SGLANG_WATCHED if rel in sglang_record]
             built[version] = {"venv": venv, "site": site, "real": remote_venv.sglang_real_parser(version),
                               "pristine": {rel: (site / rel).read_bytes() for rel in watched}}
         return built[version]

@@ -34,7 +34,9 @@ def test_the_sglang_patch_covers_exactly_the_releases_with_the_bare_call(version
 ])
 def test_piecewise_resolves_the_fix_set_of_each_release(version, expected):
     resolved, rules = resolve(load_variant("piecewise"), version)
-    assert resolved["patches"] == expected
+    # the NVFP4 linear's patches (tests/test_sglang_fp4_fix_set.py) join the set where they apply
+    nvfp4 = ("flashinfer-fp4-quantize", "flashinfer-mm-fp4")
+    assert [p for p in resolved["patches"] if not p.startswith(nvfp4)] == expected
     assert any("+patch flashinfer-fp8-blockscale-custom-op" in r for r in rules) == (len(expected) == 2)
 
 
