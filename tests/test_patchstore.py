@@ -29,7 +29,11 @@ def test_shipped_patch_loads_and_targets_the_real_file():
     assert p.version_ok("0.2.14.post1") and p.version_ok("0.6.3") and p.version_ok("0.7.4")
     assert not p.version_ok("0.2.14") and not p.version_ok("0.2.5")
     assert p.preflight["call"] == "is_cuda_version_at_least"
-    assert sorted(x.name for x in all_patches()) == ["cpu-attention-amx-permission", "cuda-version-no-subprocess"]
+    shipped = sorted(x.name for x in all_patches())
+    assert [n for n in shipped if not n.startswith(("flashinfer-fp4-", "flashinfer-mm-fp4-"))] == [
+        "cpu-attention-amx-permission", "cuda-version-no-subprocess", "flashinfer-fp8-blockscale-custom-op"]
+    # the sglang fix set for the FP4 path: one patch per release range (tests/test_sglang_fp4_fix_set.py)
+    assert len(shipped) == 3 + 6
 
 
 def test_the_vllm_cpu_patch_targets_the_releases_it_was_checked_on():
