@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from servops.lab import venvs as remote_venv
-from servops.lab.sshd import find_sshd, free_port, keygen, make_server
+from servops.lab.sshd import PORTS_ENV, find_sshd, free_port, keygen, make_server
 from servops.remote.procs import proc_starttime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ WORKER_INDEX = int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 if WORKERS > 1:  # 20000-29999 in slices; 30000+ stays the lab's server ports
     slice_ = 10000 // WORKERS
-    os.environ["SERVOPS_LAB_PORTS"] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"
+    os.environ[PORTS_ENV] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"
 # This module runs twice in one process where a test imports it as tests.conftest: the second run
 # keeps the first's directories (the session's cleanup ends the agents of the first).
 if os.environ.get("SERVOPS_TEST_PROCESS") != str(os.getpid()):
