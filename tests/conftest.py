@@ -101,7 +101,7 @@ def no_agent_outlives_the_tests():
 # by itself: none of LAB_FIXTURES (sshd, the real venvs, the real vLLM, test_loadgen's SGLang
 # double) and no module-scoped fixture (what a module builds once is a venv, a server or a sweep
 # over releases). A test that starts a lab on its own (`invoke lab.up`, the README) says so with
-# @pytest.mark.lab_home. Under xdist (--dist loadgroup) tests go to workers one by one, except:
+# @pytest.mark.lab_home; a module that sweeps every release of a package, with pytestmark sweep. Under xdist (--dist loadgroup) tests go to workers one by one, except:
 # a module whose tests share a module-scoped fixture runs on one worker (one setup, its order
 # kept); every real-vLLM test runs on one worker (one vLLM at a time on two cores, and
 # test_vllm_e2e patches the shared vLLM venv); lab_home tests share the one lab venv.
@@ -111,6 +111,7 @@ LAB_FIXTURES = {"sshd_hosts", "remote_env", "sglang_venvs", "vllm_venv", "double
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: needs no lab and no server (set by conftest from the fixtures used)")
     config.addinivalue_line("markers", "lab_home: starts a lab of its own (invoke lab.up) on the one lab venv")
+    config.addinivalue_line("markers", "sweep: walks every release of a package from the wheel cache (not quick)")
 
 
 def uses_module_fixture(item) -> bool:
@@ -132,7 +133,7 @@ def parallel_group(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not (LAB_FIXTURES & set(item.fixturenames) or uses_module_fixture(item)
-                or item.get_closest_marker("lab_home")):
+                or item.get_closest_marker("lab_home") or item.get_closest_marker("sweep")):
             item.add_marker(pytest.mark.quick)
         group = parallel_group(item)
         if group and not item.get_closest_marker("xdist_group"):
