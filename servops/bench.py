@@ -235,7 +235,7 @@ def run_bench(hs: HostSession, levels: list[int], requests: int = 0, input_len: 
             "warmup": None if warmup is None else int(warmup), "flush_cache": bool(flush_cache), "seed": int(seed), "range_ratio": float(range_ratio),
             "tokenizer": tokenizer or None, "slo": slo or None, "repeat": int(repeat), "keep_text": bool(keep_text)}
     engine = engines.get(release.get("engine"))
-    if engine.name != "sglang":  # an sglang bench sends what it always sent
+    if engine.name != engines.DEFAULT:  # an sglang bench sends what it always sent
         request = engine.request
         args.update(engine=engine.name, engine_dists=list(engine.dists))
         if request.get("model") == "served":

@@ -158,24 +158,13 @@ def unchanged_release(hs: HostSession, variant: dict, launch: Launch, wanted: li
     return cur["name"]
 
 
-def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
-                 no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
-                 keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
-                 push_url: str | None = None, record: dict | None = None, force: bool = False) -> tuple[str, str]:
-    """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first).
-
-    `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
-    the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
-    reason, elapsed and the log's path. A deploy that would change nothing (see unchanged_release)
-    restarts nothing, unless `force`."""
-    variant = load_variant(variant) if isinstance(variant, str) else variant
-    variant_name = variant["name"]
-    for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
-        hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
-    validate(variant, nodes, gate, push_url)
-    per_node = node_args(variant, [hs.host for hs in nodes])
-    phases = Phases(nodes[0].host.name, nodes[0].redactor)
-    phases.step("preflight", f"{variant_name}: launch check against the host's {engines.of_variant(variant).name}, "
+def preflight_nodes(nodes: list[HostSession], variant: dict, skip_patches: bool,
+                    phases: Phases) -> list[tuple[HostSession, dict, Launch, list]]:
+    """Each node's preflight, read-only: (session, variant as resolved there, its launch, the
+    patch actions that make its venv's patch set the resolved variant's, proven first where a
+    patch proves an engine call site)."""
+    per_node = node_args(variant, [hs.host for hs in nodes])  # a bad node count fails before any output
+    phases.step("preflight", f"{variant['name']}: launch check against the host's {engines.of_variant(variant).name}, "
                              f"patch plan (read-only)")
     prepared = []
     for hs, extra in zip(nodes, per_node):
@@ -187,6 +176,34 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         wanted = [] if skip_patches else list(resolved.get("patches") or [])
         prove_call_sites(hs, wanted, phases)
         prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
+    return prepared
+
+
+def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
+                 no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
+                 keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
+                 push_url: str | None = None, record: dict | None = None, force: bool = False) -> tuple[str, str]:
+    """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first).
+
+    `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
+    the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
+    reason, elapsed and the log's path. A deploy that would change nothing (see unchanged_release)
+    restarts nothing, unless `force`.
+
+    The stages, each once, top to bottom: validate (no host) -> preflight per node (the host's
+    facts and its own parser on the launch, the variant resolved for its engine version and
+    rendered: one round trip; the patch plan: one; a call-site proof, only where the resolved patch
+    set has one) -> plan (unchanged, or what changes: one)
+    -> check mode ends here -> transaction (lock, release, patches, restart, gate, conclude).
+    tests/test_deploy_roundtrips.py counts each stage's round trips."""
+    variant = load_variant(variant) if isinstance(variant, str) else variant
+    variant_name = variant["name"]
+    for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
+        hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
+    validate(variant, nodes, gate, push_url)
+    phases = Phases(nodes[0].host.name, nodes[0].redactor)
+    prepared = preflight_nodes(nodes, variant, skip_patches, phases)
+    wanted = [] if skip_patches else list(prepared[0][1].get("patches") or [])  # the set rank 0 resolved
     same = [] if force or gate else [unchanged_release(hs, resolved, launch, wanted, actions)
                                      for hs, resolved, launch, actions in prepared]
     if same and all(same):

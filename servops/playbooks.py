@@ -42,6 +42,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from . import engines
 from .errors import ServopsError, did_you_mean
 from .schema import FLAG, VARIANT, load_mapping
 
@@ -52,8 +53,7 @@ _MAPS = ("server_args", "env", "health")
 _LISTS = ("patches", "crash_signatures")
 # No default timeout here: a variant's health.timeout wins, else the inventory's health_timeout,
 # else 1200 s (servops.bringup.health_timeout).
-DEFAULT_HEALTH = {"endpoint": "/health", "model_info": "/model_info", "interval": 2}
-ENGINE_KEYS = ("sglang", "vllm")  # the engines whose version a rule can key on (servops.engines)
+ENGINE_KEYS = tuple(engines.ENGINES)  # the engines whose version a rule can key on
 WHEN_KEYS = (*ENGINE_KEYS, "note", "refuse", "rename", "server_args", "env", "health", "patches")
 MAX_SPECIFIER_CHARS = 1000
 _WHEN_MAPS = ("server_args", "env", "health")
@@ -95,7 +95,7 @@ def _check_when(path: Path, name: str, rules: Any) -> list[dict]:
         if len(keyed) > 1:
             raise VariantError(f"{where}: keys on both {' and '.join(keyed)}; a rule keys on the variant's "
                                f"engine only")
-        engine = keyed[0] if keyed else "sglang"
+        engine = keyed[0] if keyed else engines.DEFAULT
         at = f"{where}.{engine}" if keyed else f"{where}.sglang (or .vllm)"
         spec = rule.get(engine)
         if not isinstance(spec, str) or not spec.strip():
@@ -182,12 +182,10 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
         if rule["engine"] != engine.name:
             raise VariantError(f"playbooks/{rule['source']}.yml: a 'when' rule keys on {rule['engine']}'s version "
                                f"but {name} runs on {engine.name}: key it on {engine.name}: '<specifier>'")
-    if engine.name == "sglang":  # as always: sglang variants carry no engine key of their own
-        merged.setdefault("template", "launch_sglang.sh.j2")
-        merged["health"] = dict(DEFAULT_HEALTH, **(merged.get("health") or {}))
-    else:
-        merged.setdefault("template", engine.template)
-        merged["health"] = dict(engine.health, **(merged.get("health") or {}))
+    # the engine room's defaults under the variant's own (sglang's variants name no engine)
+    merged.setdefault("template", engine.template)
+    merged["health"] = dict(engine.health, **(merged.get("health") or {}))
+    if engine.crash_signatures:
         merged["crash_signatures"] = list(dict.fromkeys([*(merged.get("crash_signatures") or []),
                                                          *engine.crash_signatures]))
     for key in _MAPS:
@@ -199,8 +197,6 @@ def load_variant(name: str, root: Path | None = None) -> dict[str, Any]:
 
 
 def _engine(merged: dict, name: str):
-    from . import engines
-
     try:
         return engines.of_variant(merged)
     except engines.EngineError as exc:

@@ -20,6 +20,7 @@ def run_program(hs: HostSession, name: str, args: Mapping[str, Any], python: str
     # a short read-only program, with nothing to set in its environment: a warm agent may run it
     # in the host's warm interpreter (its environment is that of a fresh `python -` there)
     warm = python if name in remote.WARM and not env and on_progress is None else None
+    hs.programs.append(f"{name}:{args['op']}" if isinstance(args.get("op"), str) else name)
     result = hs.run(command, stdin=remote.with_args(name, args, env), timeout=timeout, on_output=on_output,
                     warm=warm)
     out = result.stdout.strip()

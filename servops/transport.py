@@ -151,7 +151,8 @@ class HostSession:
         self._leave_agent = False  # a direct connection served this task: leave an agent for the next
         self._lock = threading.Lock()
         self.cache: dict = {}  # per-task facts about the host (site-packages dirs, ...)
-        self.round_trips = 0
+        self.round_trips = 0  # commands run on the host in this task (each one SSH channel)
+        self.programs: list[str] = []  # servops' remote programs among them, in order (op too, where one)
 
     @property
     def connection(self):

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from servops.lab import venvs as remote_venv
-from servops.lab.sshd import find_sshd, free_port, keygen, make_server
+from servops.lab.sshd import PORTS_ENV, find_sshd, free_port, keygen, make_server
 from servops.remote.procs import proc_starttime
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +35,24 @@ sys.path.insert(0, str(REPO))
 # of their own and mean all of it, as a user who exported SERVOPS_HOSTS=all would. The tests of
 # that rule (and the README's, run verbatim) clear it.
 os.environ["SERVOPS_HOSTS"] = "all"
-AGENT_DIR = tempfile.mkdtemp(prefix="servops-agents-")
-os.environ["SERVOPS_AGENT_DIR"] = AGENT_DIR
+# The suite runs in parallel (pytest-xdist, `-n` in pyproject's addopts): each worker is its own
+# process with its own slice of everything machine-wide, so no two workers meet. Worker N (gwN;
+# 0 when run without xdist) has the loopback addresses 127.0.N.2-6 for its sshd hosts, the lab's
+# server ports 30000+10N.., its own slice of free_port's range, its own agent directory and
+# results directory (below) and its own copies of the venvs the tests patch (remote_env).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER") or "main"
+WORKER_INDEX = int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit() else 0
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if WORKERS > 1:  # 20000-29999 in slices; 30000+ stays the lab's server ports
+    slice_ = 10000 // WORKERS
+    os.environ[PORTS_ENV] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"
+# This module runs twice in one process where a test imports it as tests.conftest: the second run
+# keeps the first's directories (the session's cleanup ends the agents of the first).
+if os.environ.get("SERVOPS_TEST_PROCESS") != str(os.getpid()):
+    os.environ["SERVOPS_TEST_PROCESS"] = str(os.getpid())
+    os.environ["SERVOPS_RESULTS"] = tempfile.mkdtemp(prefix="servops-results-")  # never the checkout's results/
+    os.environ["SERVOPS_AGENT_DIR"] = tempfile.mkdtemp(prefix="servops-agents-")
+AGENT_DIR = os.environ["SERVOPS_AGENT_DIR"]
 os.environ["SERVOPS_PERSIST"] = os.environ.get("SERVOPS_TEST_PERSIST", "0")
 # A suite started in the background by a non-interactive shell (`pytest &`, nohup in a script)
 # inherits SIGINT ignored, and so would every command and sshd a test starts: the tests that press
@@ -76,6 +92,52 @@ def no_agent_outlives_the_tests():
     yield
     end_agents(AGENT_DIR)
     shutil.rmtree(AGENT_DIR, ignore_errors=True)
+    shutil.rmtree(os.environ["SERVOPS_RESULTS"], ignore_errors=True)
+
+
+# -- tiers and parallel groups ----------------------------------------------------------------
+# `pytest -m quick` is the edit loop: every test that needs no lab and no server, found by the
+# fixtures it uses (directly or through other fixtures), so a new test lands in the right tier
+# by itself: none of LAB_FIXTURES (sshd, the real venvs, the real vLLM, test_loadgen's SGLang
+# double) and no module-scoped fixture (what a module builds once is a venv, a server or a sweep
+# over releases). A test that starts a lab on its own (`invoke lab.up`, the README) says so with
+# @pytest.mark.lab_home; a module that sweeps every release of a package, with pytestmark sweep. Under xdist (--dist loadgroup) tests go to workers one by one, except:
+# a module whose tests share a module-scoped fixture runs on one worker (one setup, its order
+# kept); every real-vLLM test runs on one worker (one vLLM at a time on two cores, and
+# test_vllm_e2e patches the shared vLLM venv); lab_home tests share the one lab venv.
+LAB_FIXTURES = {"sshd_hosts", "remote_env", "sglang_venvs", "vllm_venv", "double"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: needs no lab and no server (set by conftest from the fixtures used)")
+    config.addinivalue_line("markers", "lab_home: starts a lab of its own (invoke lab.up) on the one lab venv")
+    config.addinivalue_line("markers", "sweep: walks every release of a package from the wheel cache (not quick)")
+
+
+def uses_module_fixture(item) -> bool:
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope == "module" for fixturedefs in defs.values() for d in fixturedefs)
+
+
+def parallel_group(item) -> str | None:
+    if "vllm_venv" in item.fixturenames:
+        return "vllm"
+    if item.get_closest_marker("lab_home"):
+        return "lab-home"
+    if uses_module_fixture(item):
+        return item.module.__name__
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not (LAB_FIXTURES & set(item.fixturenames) or uses_module_fixture(item)
+                or item.get_closest_marker("lab_home") or item.get_closest_marker("sweep")):
+            item.add_marker(pytest.mark.quick)
+        group = parallel_group(item)
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def clear_stale_shell_lock() -> None:
@@ -135,8 +197,9 @@ def ssh_client_key(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def remote_env() -> dict:
-    """The cached real venv; its watched files are checked against RECORD before use."""
-    venv = remote_venv.build_venv()
+    """This worker's copy of the cached real venv; its watched files are checked against RECORD
+    before use."""
+    venv = remote_venv.worker_copy(remote_venv.build_venv(), WORKER)
     site = remote_venv.site_packages(venv)
     record = record_of(site)
     if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
@@ -161,14 +224,14 @@ def venv(remote_env):
 
 @pytest.fixture(scope="session")
 def sshd_hosts(tmp_path_factory, ssh_client_key):
-    """Four real sshd servers on 127.0.0.2-5 (started lazily: most tests use only the first)."""
+    """Real sshd servers on 127.0.N.2-6 for worker N (started lazily: most tests use only the first)."""
     if not find_sshd():
         pytest.fail("sshd is not installed: run the README's install command (openssh-server)")
     servers = {}
 
     def get(i: int):
         if i not in servers:
-            address = f"127.0.0.{i + 2}"
+            address = f"127.0.{WORKER_INDEX}.{i + 2}"
             servers[i] = make_server(address, tmp_path_factory.mktemp(f"sshd{i}"), ssh_client_key).start()
         return servers[i]
 
@@ -235,6 +298,7 @@ class LabFactory:
             if known:
                 lines.append(srv.known_hosts_line)
             hv = dict(template_hosts[name] or {})
+            hv["server_port"] += 10 * WORKER_INDEX
             hv.update(ssh_host=srv.address, ssh_port=srv.port, ssh_user=srv.user,
                       deploy_root=str(self.tmp / f"deploy-{name}"))
             hv.update((host_vars or {}).get(name, {}))
@@ -289,7 +353,7 @@ def sglang_venvs():
 
     def get(version: str) -> dict:
         if version not in built:
-            venv = remote_venv.build_sglang_venv(version)
+            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), WORKER)
             site = remote_venv.site_packages(venv)
             record = record_of(site)
             if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
@@ -378,6 +442,23 @@ def server_pid(lab) -> int | None:
         return json.loads((root_of(lab) / "server.pid").read_text())["pid"]
     except OSError:
         return None
+
+
+def append_until_followed(follower: subprocess.Popen, log: Path, line: str, timeout: float = 30) -> str:
+    """`line` appended to `log` each half second until the follower (`invoke logs -f`, text
+    stdout) prints it, then the follower ended; all it printed. Waits for the condition: a fixed
+    sleep before the first line was either too short on a loaded machine or time wasted."""
+    import select
+
+    out = ""
+    deadline = time.time() + timeout
+    while time.time() < deadline and line not in out:
+        with open(log, "a") as fh:
+            fh.write(line + "\n")
+        if select.select([follower.stdout], [], [], 0.5)[0]:
+            out += os.read(follower.stdout.fileno(), 65536).decode(errors="replace")
+    follower.terminate()
+    return out + follower.communicate(timeout=10)[0]
 
 
 def one_line_error(res, *needles: str, code: int = 2) -> None:

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, agent_pids, end_agents, run_invoke
+from conftest import REPO, agent_pids, append_until_followed, end_agents, run_invoke
 from servops.lab.tcpproxy import TcpProxy
 
 CPP_EXT = "flashinfer/jit/cpp_ext.py"
@@ -336,19 +336,8 @@ def test_deploy_ctrl_c_and_logs_follow_through_the_agent(counted, agents, lab, t
         assert os.readlink(root / "current").split("/")[-1] == good
         follower = subprocess.Popen([sys.executable, "-m", "invoke", "logs", "-f", "--lines", "0"], cwd=REPO, env=env,
                                     stdout=subprocess.PIPE, text=True)
-        # a line written every half second until one comes through (however long a loaded
-        # machine takes to start following: the follower reads from the log's size at its start)
-        got = []
-        reader = threading.Thread(target=lambda: got.append(follower.stdout.readline()), daemon=True)
-        reader.start()
-        deadline = time.time() + 30
-        while reader.is_alive() and time.time() < deadline:
-            with open(root / "current" / "server.log", "a") as fh:
-                fh.write("a line written while following\n")
-            reader.join(0.5)
-        follower.terminate()
-        follower.communicate(timeout=10)
-        assert got == ["a line written while following\n"]
+        out = append_until_followed(follower, root / "current" / "server.log", "a line written while following")
+        assert "a line written while following" in out
         # its program on the host goes with its channel: nothing left tailing
         deadline = time.time() + 10
         while time.time() < deadline and remote_programs(lab.sshd_hosts(0).port):

@@ -287,6 +287,7 @@ def test_7_a_first_deploy_says_only_what_happened(alab):
 
 # ---- 8. the lab is per checkout and checks for real ------------------------------------------
 
+@pytest.mark.lab_home
 def test_8_another_checkouts_lab_is_refused_and_the_lab_checks_with_a_real_sglang(tmp_path):
     lab = yaml.safe_load((REPO / "inventory" / "lab.yml").read_text())
     hosts = lab["all"]["children"]["lab"]["hosts"]

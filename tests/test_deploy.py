@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from servops.lab.sshd import free_port
-from conftest import REPO, playbooks_with, root_of, run_invoke
+from conftest import REPO, append_until_followed, playbooks_with, root_of, run_invoke
 
 NAME = "cuda-version-no-subprocess"
 
@@ -196,10 +196,10 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     env = dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books), NO_COLOR="1")
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow", "--force"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not list((root_of(lab) / "releases").glob("*-slow")):
+    deadline = time.time() + 60  # until it is in the health gate: its server started, its guard up
+    while time.time() < deadline and not [d for d in (root_of(lab) / "releases").glob("*-slow")
+                                          if (d / "server.log").exists() and (d / "guard.pid").exists()]:
         time.sleep(0.1)
-    time.sleep(2)  # in the health gate now
     proc.send_signal(signal.SIGKILL)  # the operator's laptop dies: the SSH connection goes with it
     proc.wait()
     assert (root_of(lab) / "deploy.lock").exists()
@@ -219,13 +219,7 @@ def test_logs_stop_and_status(deploy_lab):
     env = dict(os.environ, SERVOPS_INVENTORY=str(inv))
     follower = subprocess.Popen([sys.executable, "-m", "invoke", "logs", "-f", "--lines", "0"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, text=True)
-    time.sleep(3)
-    log = root_of(lab) / "current" / "server.log"
-    with open(log, "a") as fh:
-        fh.write("a line written while following\n")
-    time.sleep(2)
-    follower.terminate()
-    out = follower.communicate(timeout=10)[0]
+    out = append_until_followed(follower, root_of(lab) / "current" / "server.log", "a line written while following")
     assert "a line written while following" in out
     # the follower's program on the host goes with its SSH session: nothing left tailing
     port = yaml.safe_load(inv.read_text())["all"]["children"]["lab"]["hosts"]["lab1"]["ssh_port"]

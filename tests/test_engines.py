@@ -160,3 +160,21 @@ def test_sglang_names_win_where_both_are_there():
                            'sglang:num_running_reqs{tp_rank="0"} 7.0\n')
     s = summarise(parse(text, "x"))
     assert s["running"] == 7.0 and s["queued"] == 1.0
+
+
+def test_the_host_side_metric_names_are_the_rooms():
+    """remote/loadgen.py runs on the host without this package: its copies of the metric names
+    (sglang's, and OTHER_NAMES for vLLM's) say what the engine rooms say."""
+    from servops.remote import loadgen
+
+    sglang, vllm = engines.get("sglang"), engines.get("vllm")
+    for key, name in loadgen.GAUGES.items():
+        if key in sglang.gauges:
+            assert sglang.gauges[key] == name, key
+        if key in vllm.gauges:
+            assert loadgen.OTHER_NAMES[name] == vllm.gauges[key], key
+    for key, name in sglang.histograms.items():
+        assert loadgen.OTHER_NAMES[name] == vllm.histograms[key], key
+    for key, name in loadgen.COUNTERS.items():
+        if key in sglang.counters:
+            assert sglang.counters[key] + "_total" == name, key

@@ -21,6 +21,8 @@ from conftest import REPO, bench_script
 from servops import patching
 from servops.patchstore import find_patch
 
+pytestmark = pytest.mark.sweep  # every release from the wheel cache: not the edit loop (-m quick)
+
 sweep = bench_script("flashinfer_patch_sweep")
 
 # Every flashinfer-python release on PyPI (`pip index versions flashinfer-python`; there is no 0.2.0).

@@ -84,8 +84,9 @@ def test_multi_node_variant_renders_per_node_and_gates_on_rank0(fleet, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "lab1 : changed - deployed" in res.stdout and "on 2 nodes" in res.stdout
     scripts = {h: (lab.tmp / f"deploy-{h}" / "current" / "launch.sh").read_text() for h in ("lab1", "lab2")}
+    rank0 = lab.sshd_hosts(0).address  # the first node's address (127.0.0.2 without xdist)
     for rank, host in enumerate(("lab1", "lab2")):
-        assert f"--nnodes 2 --node-rank {rank} --dist-init-addr 127.0.0.2:5000" in scripts[host]
+        assert f"--nnodes 2 --node-rank {rank} --dist-init-addr {rank0}:5000" in scripts[host]
         assert "--tp 16" in scripts[host]
         log = (lab.tmp / f"deploy-{host}" / "current" / "server.log").read_text()
         assert f"node_rank={rank}/2" in log

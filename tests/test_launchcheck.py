@@ -98,7 +98,8 @@ def test_multi_node_variant_is_checked_per_node(lab, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(chunk) for chunk in res.stdout.replace("}\n{", "}\x00{").split("\x00")]
     for rank, row in enumerate(rows):
-        assert " ".join(row["argv"]).endswith(f"--nnodes 2 --node-rank {rank} --dist-init-addr 127.0.0.2:5000")
+        rank0 = lab.sshd_hosts(0).address  # the first node's address (127.0.0.2 without xdist)
+        assert " ".join(row["argv"]).endswith(f"--nnodes 2 --node-rank {rank} --dist-init-addr {rank0}:5000")
         assert row["facts"]["gpus_needed"] == 8 and row["ok"]  # tp 16 over 2 nodes: 8 GPUs each
     bad = run_invoke("check", "--variant", "tp16", "-H", "lab1", inventory=inv, env=env)
     assert bad.returncode == 2 and "runs on 2 nodes per server; select a multiple of 2 hosts" in bad.stderr

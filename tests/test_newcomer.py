@@ -46,6 +46,7 @@ def own_lab(tmp_path):
     run_invoke("lab.down", inventory=inv, env=env)
 
 
+@pytest.mark.lab_home
 def test_lab_up_down_twenty_cycles_with_four_hosts(own_lab):
     inv, env, hosts = own_lab
     addrs = [(v["ssh_host"], v["ssh_port"]) for v in hosts.values()]
@@ -64,6 +65,7 @@ def test_lab_up_down_twenty_cycles_with_four_hosts(own_lab):
     assert res.returncode == 0 and res.stdout.count("nothing running") == 4
 
 
+@pytest.mark.lab_home
 def test_lab_down_stops_the_lab_servers_too(own_lab):
     inv, env, hosts = own_lab
     assert run_invoke("lab.up", "-H", "lab1", inventory=inv, env=env).returncode == 0
@@ -76,6 +78,7 @@ def test_lab_down_stops_the_lab_servers_too(own_lab):
     assert not listening(hosts["lab1"]["ssh_host"], hosts["lab1"]["ssh_port"])
 
 
+@pytest.mark.lab_home
 def test_an_unreachable_lab_host_says_how_to_start_the_lab(own_lab):
     inv, env, _hosts = own_lab
     res = run_invoke("deploy", "--variant", "baseline", "-H", "lab3", inventory=inv, env=env)

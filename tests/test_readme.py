@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -30,6 +31,7 @@ def readme_commands() -> list[tuple[str, int]]:
     return commands
 
 
+@pytest.mark.lab_home
 def test_the_readme_runs_as_written(tmp_path):
     commands = readme_commands()
     assert commands[0] == (". .venv/bin/activate", 0) and any(c.startswith("invoke tune") for c, _ in commands)

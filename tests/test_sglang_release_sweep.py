@@ -23,6 +23,8 @@ from servops.launchcheck import _problem_lines, refusal_line
 from servops.playbooks import load_variant, resolve
 from servops.remote import sglang_args as sa
 
+pytestmark = pytest.mark.sweep  # every release from the wheel cache: not the edit loop (-m quick)
+
 sweep = bench_script("sglang_release_sweep")
 
 # Every release on PyPI from 0.4.0 to 0.5.23 (there is no 0.5.0).

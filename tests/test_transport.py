@@ -51,12 +51,13 @@ def test_output_sent_after_the_exit_status_is_kept(lab):
 
 
 def test_connect_refused_and_timeout_are_one_line(lab, tmp_path):
+    address = lab.sshd_hosts(0).address  # lab1's
     with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
+        s.bind((address, 0))
         closed = s.getsockname()[1]
     inv = lab.inventory(host_vars={"lab1": {"ssh_port": closed}})
     res = run_invoke("inspect", "--file", CPP_EXT, inventory=inv)
-    assert res.returncode == 3 and f"cannot connect to 127.0.0.2:{closed}" in res.stderr
+    assert res.returncode == 3 and f"cannot connect to {address}:{closed}" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 
@@ -79,7 +80,7 @@ def test_an_sshd_that_never_sends_its_banner_is_one_line(lab):
     from conftest import one_line_error
 
     with socket.socket() as silent:
-        silent.bind(("127.0.0.2", 0))
+        silent.bind((lab.sshd_hosts(0).address, 0))
         silent.listen(8)  # accepts, never speaks
         inv = lab.inventory(host_vars={"lab1": {"ssh_port": silent.getsockname()[1]}},
                             group_vars={"connect_timeout": 1})

@@ -96,7 +96,7 @@ def fleet_lab(lab, tmp_path):
     servers are stopped afterwards through an inventory that reaches lab3 directly."""
     ports = {h: {"server_port": free_port(), "lease_timeout": 60} for h in HOSTS}
     direct = lab.inventory(n_hosts=4, host_vars=ports, filename="direct.yml")
-    own = make_server("127.0.0.4", tmp_path / "sshd-lab3", lab.client_key).start()
+    own = make_server(lab.sshd_hosts(2).address, tmp_path / "sshd-lab3", lab.client_key).start()
     vars_ = {h: dict(v) for h, v in ports.items()}
     vars_["lab3"].update(ssh_host=own.address, ssh_port=own.port)
     inv = lab.inventory(n_hosts=4, host_vars=vars_)

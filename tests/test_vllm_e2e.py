@@ -61,7 +61,7 @@ def vllm_processes(root: Path) -> list[tuple[int, str]]:
 def vhost(tmp_path_factory, sshd_hosts, vllm_venv):  # noqa: F811 (fixture)
     """inventory/lab-vllm.yml with this run's sshd, keys, ports and the cached venv and models."""
     tmp = tmp_path_factory.mktemp("vllm-e2e")
-    srv = sshd_hosts(4)  # 127.0.0.6, as the shipped inventory has it
+    srv = sshd_hosts(4)  # 127.0.0.6 as the shipped inventory has it (127.0.N.6 on xdist worker N)
     models = vllmlab.tiny_models(vllm_venv)
     cache = vllmlab.compile_cache(vllm_venv)
     lab = yaml.safe_load((REPO / "inventory" / "lab-vllm.yml").read_text())

@@ -21,13 +21,24 @@ def find_sshd() -> str | None:
     return shutil.which("sshd")
 
 
+# Where free_port draws from: "LOW-HIGH" (the test suite gives each parallel worker its own
+# slice, so two workers never pick the same port between its check and its bind).
+PORTS_ENV = "SERVOPS_LAB_PORTS"
+
+
+def port_range() -> tuple[int, int]:
+    low, _, high = os.environ.get(PORTS_ENV, "20000-32000").partition("-")
+    return int(low), int(high)
+
+
 def free_port(address: str = "0.0.0.0") -> int:
     """A free port below the kernel's ephemeral range (32768+ on Linux), so no outgoing
     connection can take it between now and when a server binds it."""
     import random
 
+    low, high = port_range()
     for _ in range(200):
-        port = random.randint(20000, 32000)
+        port = random.randint(low, high)
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -35,7 +46,7 @@ def free_port(address: str = "0.0.0.0") -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port in 20000-32000")
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def keygen(path: Path, kind: str = "ed25519") -> Path:
