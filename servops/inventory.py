@@ -208,3 +208,8 @@ def lab_hint(host: Host) -> str:
     if "lab" in host.groups and host.ssh_host.startswith("127."):
         return f"; is the lab up? invoke lab.up -H {host.name}"
     return ""
+
+
+def deploy_root(host: Host) -> str:
+    """Where servops keeps a host's releases, lock and journal (inventory var deploy_root)."""
+    return str(host.get("deploy_root") or "~/.servops/deploy")

@@ -11,13 +11,9 @@ import time
 from typing import Any, Callable
 
 from .errors import RemoteError, ServopsError
-from .inventory import Host
+from .inventory import Host, deploy_root  # noqa: F401 - deploy_root is read here by most callers
 from .remote_exec import run_program
 from .transport import HostSession
-
-
-def deploy_root(host: Host) -> str:
-    return str(host.get("deploy_root") or "~/.servops/deploy")
 
 
 class GuardTookOver(RemoteError):

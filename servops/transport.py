@@ -235,7 +235,7 @@ class HostSession:
         """End, on the host, the processes of the command marked `mark` (given up on: it keeps
         running there otherwise); what was done, as a clause of the error line."""
         from . import remote, shell
-        from .releases import deploy_root
+        from .inventory import deploy_root
 
         args = {"mark": mark, "deploy_root": deploy_root(self.host)}  # its release guards are kept
         try:
