@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from servops.lab.venvs import CACHE  # noqa: E402
+from servops.lab.venvs import cached_sglang_wheel  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
 FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
@@ -51,17 +51,6 @@ RELEASES = ("0.5.3.post2 0.5.3.post3 0.5.4 0.5.4.post1 0.5.4.post2 0.5.4.post3 0
             "0.5.5.post2 0.5.5.post3 0.5.6 0.5.6.post1 0.5.6.post2 0.5.7 0.5.8 0.5.8.post1 0.5.9 0.5.10 "
             "0.5.10.post1 0.5.11 0.5.12 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 "
             "0.5.15 0.5.15.post1 0.5.16 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23").split()
-
-
-def wheel(version: str) -> Path | None:
-    d = CACHE / "wheels"
-    d.mkdir(parents=True, exist_ok=True)
-    found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d),
-                        f"sglang=={version}"], capture_output=True)
-        found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    return found[0] if found else None
 
 
 def _registers_custom_op(node: ast.AST) -> bool:
@@ -192,7 +181,7 @@ def try_together(names: list[str], original: bytes) -> dict:
 
 
 def check_release(version: str) -> dict:
-    whl = wheel(version)
+    whl = cached_sglang_wheel(version)
     if whl is None:
         return {"version": version, "cached": False}
     modules = read_release(whl)

@@ -2,7 +2,7 @@
 traces into FlashInfer's version query and JIT loader on SM90), and does the shipped fix
 (patches/sglang/flashinfer-fp8-blockscale-custom-op.patch) cover exactly those?
 
-For each `sglang==X` wheel (fetched once into ~/.cache/servops-tests/wheels), only
+For each `sglang==X` wheel (fetched once into ~/.cache/servops-tests/wheels, servops.lab.venvs), only
 sglang/srt/layers/quantization/fp8_utils.py is read: "bare" when it imports fp8_blockscale_gemm_sm90
 from flashinfer.gemm and defines no function of that name (an opaque custom op would be one); the
 patch is applied to a copy with real patch(1), no fuzz, re-applied (must be refused) and reversed
@@ -25,24 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from servops.lab.venvs import CACHE  # noqa: E402
+from servops.lab.venvs import cached_sglang_wheel  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
 FILE = "sglang/srt/layers/quantization/fp8_utils.py"
 PATCH = "flashinfer-fp8-blockscale-custom-op"
 RELEASES = ("0.5.5 0.5.6 0.5.7 0.5.8 0.5.9 0.5.10 0.5.11 0.5.12 0.5.13 0.5.14 0.5.15 0.5.15.post1 0.5.16 "
             "0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23").split()
-
-
-def wheel(version: str) -> Path | None:
-    d = CACHE / "wheels"
-    d.mkdir(parents=True, exist_ok=True)
-    found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d),
-                        f"sglang=={version}"], capture_output=True)
-        found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    return found[0] if found else None
 
 
 def calls_bare(source: str) -> bool:
@@ -60,7 +49,7 @@ def _patch(tree: Path, text: str, *extra: str) -> bool:
 
 
 def check_release(version: str) -> dict:
-    whl = wheel(version)
+    whl = cached_sglang_wheel(version)
     if whl is None:
         return {"version": version, "cached": False}
     with zipfile.ZipFile(whl) as z:

@@ -281,7 +281,6 @@ def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str], previ
 
 def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_rollback, keep, gate, bench_opts,
                    push_url, record) -> tuple[str, str]:
-    hs0 = prepared[0][0]
     previous = {hs.host.name: lock["listing"]["current"] for (hs, *_), lock in zip(prepared, locks)}
     patch_done: dict[str, list] = {}
     nodes: list[Node] = []

@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from .errors import RemoteError, ServopsError
-from .inventory import Host, deploy_root  # noqa: F401 - deploy_root is read here by most callers
+from .inventory import deploy_root  # noqa: F401 - callers read it as releases.deploy_root
 from .remote_exec import run_program
 from .transport import HostSession
 

@@ -183,6 +183,14 @@ def sglang_wheel(version: str) -> Path:
     return found[0]
 
 
+def cached_sglang_wheel(version: str) -> Path | None:
+    """sglang_wheel, or None where it cannot be had (offline, no such release): the sweeps skip it."""
+    try:
+        return sglang_wheel(version)
+    except (subprocess.CalledProcessError, OSError, IndexError):
+        return None
+
+
 class _BuildLock:
     """One builder at a time per cache (parallel test processes share it)."""
 
