@@ -592,7 +592,7 @@ def lab_down(c, hosts=None, inventory=None):
     "storage": "search: random/tpe: the Optuna study's database URL (postgresql://user@host/db) to share one "
                "study between controllers; default: study.db beside the campaign's trials.jsonl.",
     "serial": "Several hosts: leave the winner deployed N hosts at a time (default: all at once).",
-    "warm-start": "search: random/tpe: ask first the best points of earlier campaigns (this objective) that ran "
+    "warm_start": "search: random/tpe: ask first the best points of earlier campaigns (this objective) that ran "
                   "on the same engine, engine version and model; the report says where each came from.",
 })
 def tune_run(c, campaign, resume=False, restart=False, verbose=False, dry_run=False, hosts=None,  # noqa: D417

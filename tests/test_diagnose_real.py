@@ -30,6 +30,10 @@ MADE_HERE = {"vllm-lab-head-dim-16.log": "attention-backend-unsupported-head-dim
              # ("exit code: None"): the log carries no signal, so no cause may be named
              "vllm-lab-eager-amx-exitcode-none.log": None}
 
+# the real sglang 0.5.17's crashes on the lent H100 (the GPU kit, bench/evidence/seed-sm90/)
+GPU_EVIDENCE = REAL.parent.parent.parent / "bench" / "evidence" / "seed-sm90"
+MADE_ON_GPU = {"server-flashinfer-patch-alone.log": "dynamo-flashinfer-jit-loader"}
+
 
 def findings(text):
     return scan(text)["findings"]
@@ -59,7 +63,7 @@ def test_manifest_readme_and_logs_agree():
 def test_knowledge_base_covers_every_category_from_real_logs():
     assert len(ISSUES) >= 15
     assert {e["category"] for e in ISSUES} == set(CATEGORIES)
-    expected = {e["expect"] for e in MANIFEST} | {v for v in MADE_HERE.values() if v}
+    expected = {e["expect"] for e in MANIFEST} | {v for v in MADE_HERE.values() if v} | set(MADE_ON_GPU.values())
     for entry in ISSUES:
         assert entry["id"] in expected, f"{entry['id']} has no real log of its own"
         assert entry.get("suggest") or entry.get("link"), f"{entry['id']} gives no next step"
@@ -95,6 +99,12 @@ def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(ca
 def test_a_real_vllm_crash_made_on_the_lab_names_its_known_issue(name, entry):
     named = {i for hits in hits_of((REAL / name).read_text(errors="replace")) for i in hits[:1]}
     assert named == ({entry} if entry else set()), named
+
+
+@pytest.mark.parametrize("name,entry", sorted(MADE_ON_GPU.items()))
+def test_a_real_sglang_crash_made_on_the_gpu_names_its_known_issue(name, entry):
+    named = {i for hits in hits_of((GPU_EVIDENCE / name).read_text(errors="replace")) for i in hits[:1]}
+    assert named == {entry}, named
 
 
 def test_every_lab_made_log_has_its_entry():
