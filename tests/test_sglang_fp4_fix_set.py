@@ -23,6 +23,7 @@ compiled on a real SM120 GPU) and the CUDA-graph capture and replay."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,7 +160,7 @@ print(json.dumps(out))
 
 
 def _pinned_flashinfer(sglang_version: str) -> str:
-    whl = sweep.wheel(sglang_version)
+    whl = sweep.cached_sglang_wheel(sglang_version)
     with zipfile.ZipFile(whl) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         for line in z.read(meta).decode().splitlines():
@@ -175,23 +176,30 @@ def _pip(*argv: str) -> None:
 @pytest.fixture(scope="module")
 def flashinfer_deps() -> Path:
     target = venvs.CACHE / "flashinfer-pure-deps"
-    if not (target / ".complete").exists():
-        _pip("install", "-q", "--no-deps", "--target", str(target), *FLASHINFER_DEPS)
-        (target / ".complete").touch()
+    with venvs._BuildLock("flashinfer-pure-deps"):  # xdist workers share the cache
+        if not (target / ".complete").exists():
+            _pip("install", "-q", "--no-deps", "--target", str(target), *FLASHINFER_DEPS)
+            (target / ".complete").touch()
     return target
 
 
 def flashinfer_release(version: str) -> Path:
     """The real flashinfer-python wheel of VERSION, unpacked once under the test cache."""
     root = venvs.CACHE / f"flashinfer-{version}-src"
-    if not (root / "flashinfer" / "__init__.py").exists():
-        wheels = venvs.CACHE / "wheels"
-        found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
-        if not found:
-            _pip("download", "-q", "--no-deps", "-d", str(wheels), f"flashinfer-python=={version}")
+    # another xdist worker may be unpacking it: one at a time, and whole (a half-unpacked package
+    # imports as "partially initialized")
+    with venvs._BuildLock(f"flashinfer-{version}-src"):
+        if not root.exists():
+            wheels = venvs.CACHE / "wheels"
             found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
-        with zipfile.ZipFile(found[0]) as z:
-            z.extractall(root)
+            if not found:
+                _pip("download", "-q", "--no-deps", "-d", str(wheels), f"flashinfer-python=={version}")
+                found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+            partial = root.with_name(root.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            with zipfile.ZipFile(found[0]) as z:
+                z.extractall(partial)
+            partial.rename(root)
     return root
 
 
@@ -200,7 +208,7 @@ def prove(sglang_version: str, deps: Path, patches: list[str], flashinfer_patche
     """Run HARNESS (the CALL of ModelOptFp4LinearMethod.apply) on the release's modelopt_quant.py with
     PATCHES applied (real patch(1)), against its pinned FlashInfer (or FLASHINFER) with
     FLASHINFER_PATCHES applied to a copy."""
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(sweep.wheel(sglang_version)) as z:
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(sweep.cached_sglang_wheel(sglang_version)) as z:
         site = Path(tmp) / "site"
         (site / sweep.FILE).parent.mkdir(parents=True)
         (site / sweep.FILE).write_bytes(z.read(sweep.FILE))

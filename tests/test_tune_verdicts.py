@@ -85,7 +85,10 @@ def test_repeats_until_sure_rebench_and_start_up_in_the_report(noisy_lab):
     assert done["big"]["violations"] == [f"capture_s <= 0.5 (capture_s = {done['big']['start']['capture_s']:.1f})"]
     # the end re-bench: finalists deployed again and benched; the winner is the best lower bound
     rebench = [e for e in entries if e.get("phase") == "rebench"]
-    assert rebench[-1]["outcome"] == "finished" and any(e.get("runs") for e in rebench)
+    assert rebench[-1]["outcome"] == "finished"
+    # finalists were benched again, unless the runs so far already set one apart (a loaded machine's
+    # speed decides which: the noise is real, not drawn)
+    assert any(e.get("runs") for e in rebench) or rebench[-1]["reason"].startswith("one finalist left"), rebench
     (camps / "same.yml").write_text(SEQUENTIAL.replace("base: noisy", "base: baseline"))  # its objective, here
     camp = load_campaign(str(camps / "same.yml"))
     rebenched = campaignrecord.rebench_runs(entries)
