@@ -13,19 +13,6 @@ import time
 COMMAND_ENV = "SERVOPS_COMMAND"
 
 
-def _env_value(pid, name):
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as fh:
-            data = fh.read(1 << 20)
-    except OSError:
-        return None
-    key = name.encode() + b"="
-    for item in data.split(b"\0"):
-        if item.startswith(key):
-            return item[len(key):].decode("utf-8", "replace")
-    return None
-
-
 def guards(deploy_root):
     """The live release guards of `deploy_root`, from their guard.pid records (pid and start time)."""
     releases = os.path.join(os.path.realpath(os.path.expanduser(deploy_root)), "releases")
@@ -60,10 +47,10 @@ def command_processes(mark, table, kept=()):
     """{pid: facts} of the processes the command marked `mark` left, as `stop` finds a release's;
     none of `kept` (pids) or their descendants."""
     spare = _ancestors(os.getpid(), table) | {1} | _with_descendants(kept, table)
-    servers = _with_descendants(set(pid for pid in table if _env_value(pid, RELEASE_ENV)), table)
+    servers = _with_descendants(set(pid for pid in table if environ_value(pid, RELEASE_ENV)), table)
     found = {}
     for pid in table:
-        if pid not in spare and pid not in servers and _env_value(pid, COMMAND_ENV) == mark:
+        if pid not in spare and pid not in servers and environ_value(pid, COMMAND_ENV) == mark:
             found[pid] = table[pid]
     leaders = set(pid for pid, facts in found.items() if facts["sid"] == pid or facts["pgid"] == pid)
     for pid, facts in table.items():

@@ -105,12 +105,17 @@ def _inside(path, root):
 
 
 def _environ_mark(pid):
+    return environ_value(pid, RELEASE_ENV)
+
+
+def environ_value(pid, name):
+    """The value of env var `name` in process `pid` (its first MiB of environment), or None."""
     try:
         with open("/proc/%d/environ" % pid, "rb") as fh:
             data = fh.read(1 << 20)
     except OSError:
         return None
-    key = RELEASE_ENV.encode() + b"="
+    key = name.encode() + b"="
     for item in data.split(b"\0"):
         if item.startswith(key):
             return item[len(key):].decode("utf-8", "replace")
