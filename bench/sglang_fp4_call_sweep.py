@@ -24,9 +24,7 @@ order, and reversed in reverse order.
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -34,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from servops.lab.patchtrial import try_on_copy  # noqa: E402
 from servops.lab.venvs import cached_sglang_wheel  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
@@ -142,42 +141,20 @@ def moe_opaque_under_piecewise(modules: dict[str, Module]) -> bool:
         n.attr for n in ast.walk(layer.tree) if isinstance(n, ast.Attribute)}
 
 
-def _patch(tree: Path, text: str, *extra: str) -> bool:
-    return subprocess.run(["patch", "-p1", "-F0", "-N", "-s", "-d", str(tree), *extra], input=text.encode(),
-                          capture_output=True).returncode == 0
-
-
 def bare_linear(source: str, path: str = FILE) -> list[dict]:
     mod = Module(path, source)
     return [c for c in mod.calls({_module_name(path): mod}) if c["place"] == "linear"]
 
 
 def try_patch(name: str, original: bytes) -> dict:
-    patch, api = find_patch(name), PATCHES[name]
-    row: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / FILE
-        target.parent.mkdir(parents=True)
-        target.write_bytes(original)
-        row["applies"] = _patch(Path(tmp), patch.text)
-        if row["applies"]:
-            row["fixed"] = not [c for c in bare_linear(target.read_text()) if c["api"] == api]
-            row["reapply_refused"] = not _patch(Path(tmp), patch.text, "--dry-run")
-            row["reverts_exactly"] = _patch(Path(tmp), patch.text, "-R") and target.read_bytes() == original
-    return row
+    api = PATCHES[name]
+    return try_on_copy(FILE, original, [find_patch(name).text],
+                       lambda source: not [c for c in bare_linear(source) if c["api"] == api])
 
 
 def try_together(names: list[str], original: bytes) -> dict:
     """Every fix of the release applied in order (no bare linear call left), reversed in reverse order."""
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / FILE
-        target.parent.mkdir(parents=True)
-        target.write_bytes(original)
-        applied = all(_patch(Path(tmp), find_patch(n).text) for n in names)
-        clean = applied and not bare_linear(target.read_text())
-        reverted = applied and all(_patch(Path(tmp), find_patch(n).text, "-R") for n in reversed(names))
-        return {"applied": applied, "no_bare_linear": clean, "reverts_exactly": reverted
-                and target.read_bytes() == original}
+    return try_on_copy(FILE, original, [find_patch(n).text for n in names], lambda source: not bare_linear(source))
 
 
 def check_release(version: str) -> dict:

@@ -15,9 +15,7 @@ patch is applied to a copy with real patch(1), no fuzz, re-applied (must be refu
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -25,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from servops.lab.patchtrial import try_on_copy  # noqa: E402
 from servops.lab.venvs import cached_sglang_wheel  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
@@ -43,11 +42,6 @@ def calls_bare(source: str) -> bool:
     return imported and not wrapped
 
 
-def _patch(tree: Path, text: str, *extra: str) -> bool:
-    return subprocess.run(["patch", "-p1", "-F0", "-N", "-s", "-d", str(tree), *extra], input=text.encode(),
-                          capture_output=True).returncode == 0
-
-
 def check_release(version: str) -> dict:
     whl = cached_sglang_wheel(version)
     if whl is None:
@@ -60,16 +54,7 @@ def check_release(version: str) -> dict:
     if original is None:
         return dict(row, bare=False)
     row["bare"] = calls_bare(original.decode())
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / FILE
-        target.parent.mkdir(parents=True)
-        target.write_bytes(original)
-        row["applies"] = _patch(Path(tmp), patch.text)
-        if row["applies"]:
-            row["fixed"] = not calls_bare(target.read_text())
-            row["reapply_refused"] = not _patch(Path(tmp), patch.text, "--dry-run")
-            row["reverts_exactly"] = _patch(Path(tmp), patch.text, "-R") and target.read_bytes() == original
-    return row
+    return dict(row, **try_on_copy(FILE, original, [patch.text], lambda source: not calls_bare(source)))
 
 
 def verdict(row: dict) -> str:
