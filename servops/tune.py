@@ -32,7 +32,8 @@ from pathlib import Path
 from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
 from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, log_path, objective_text,
-                             is_number, read_log, rebench_runs, standings, start_text, trial_runs, trial_states)
+                             is_number, read_log, rebench_finalists, rebench_runs, repeat_decision, standings,
+                             start_text, trial_runs, trial_states)
 from .campaignrecord import done_entries as logged_done
 from .campaignrecord import min_gain
 from .deploy import deploy_group, preflight
@@ -859,18 +860,9 @@ class Runner:
         incumbent is unsure and could matter, up to max_repeats runs (servops.verdict.next_step);
         the first feasible trial (the base) twice, to measure the campaign's noise."""
         done = self.done_entries()
-        incumbent, _v = standings(self.camp, done, 0.0)
-        others = trial_runs(done)
         runs, level = [first], self.camp.confidence
         while True:
-            noise = verdict.pooled_noise(dict(others, **{t.id: runs}))
-            if incumbent is None:
-                again = len(runs) < 2
-                why = ("the first feasible trial: benched again to measure the noise" if again else
-                       f"the campaign's noise: {noise.how}" if noise else "no noise measured")
-            else:
-                again, why = verdict.next_step(others[incumbent["trial"]], runs, noise, self.camp.objective.sense,
-                                               self.camp.max_repeats, self.camp.min_gain or 0.0, level)
+            again, why, noise = repeat_decision(self.camp, done, t.id, runs)
             if not again:
                 break
             self.phase(t, k, "repeat", why)
@@ -1000,52 +992,58 @@ class Runner:
         below the leader) are deployed again and benched once more each, round by round
         (verdict.final_rounds); the winner is then the one with the best lower bound."""
         done, rebenched = self.done_entries(), rebench_runs(entries)
-        rounds = verdict.final_rounds(self.camp.rebench_top)
+        rounds = len(verdict.final_rounds(self.camp.rebench_top))
         first = 1 + max((e.get("round") or 0 for e in entries if e.get("phase") == "rebench"), default=0)
         why = "every round ran"
-        for r in range(first, len(rounds) + 1):
-            runs = trial_runs(done, rebenched)
-            names = verdict.finalists(runs, verdict.pooled_noise(runs), self.camp.objective.sense, rounds[r - 1],
-                                      self.camp.confidence)
-            if len(names) < 2:
-                why = ("one finalist left: the others are separated below it" if len(runs) > 1
-                       else "fewer than two feasible trials")
+        for r in range(first, rounds + 1):
+            names, why = rebench_finalists(self.camp, done, rebenched, r)
+            if not names:
                 break
+            why = why or "every round ran"
             for tid in names:
-                trial = next((x for x in self.trials + self.search_trials if x.id == tid), None)
-                if trial is None:
+                value = self.rebench_one(tid, r, rounds)
+                if value is None:
                     continue
-                with held_back(self.verbose, f"re-bench round {r}: deploying {tid} again"):
-                    try:
-                        record = self._switch_to(tid, trial)
-                    except ServopsError as exc:
-                        record = {"state": "failed", "reason": str(exc)}
-                if record.get("state") != "healthy":
-                    self.journal.write({"phase": "rebench", "trial": tid, "round": r, "outcome": record.get("state"),
-                                        "release": record.get("release"), "reason": record.get("reason")})
-                    self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)}: "
-                             f"{record.get('state')}: {record.get('reason')}")
-                    continue
-                result, failed, _s = self._bench(trial, r, None)
-                value = result and self.camp.objective.value(result)
-                self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
-                                    "outcome": "measured" if value is not None else "bench-failed",
-                                    "runs": [] if value is None else [value],
-                                    "result_path": result and result["path"], "reason": failed})
-                if value is not None:
-                    rebenched.setdefault(tid, []).append(value)
+                rebenched.setdefault(tid, []).append(value)
                 all_runs = trial_runs(done, rebenched)
                 m, lo, hi = verdict.interval(all_runs[tid], verdict.pooled_noise(all_runs), self.camp.confidence)
-                self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)} of {len(names)}: "
-                         + (f"{self.camp.objective.written} = {num(value)}; now {num(m)} [{num(lo)}, {num(hi)}] over "
-                            f"{len(all_runs[tid])} runs" if value is not None else f"bench failed: {failed}"))
-                if interrupt.requested():
-                    raise TuneError(f"interrupted in the re-bench; continue with invoke tune {self.camp.name} "
-                                    f"-H {self.hs.host.name} --resume")
+                self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{rounds} of {len(names)}: "
+                         f"{self.camp.objective.written} = {num(value)}; now {num(m)} [{num(lo)}, {num(hi)}] over "
+                         f"{len(all_runs[tid])} runs")
         self.journal.write({"phase": "rebench", "outcome": "finished", "reason": why})
         winner = standings(self.camp, done, 0.0, rebenched)[0]
         self.phase(None, 0, "rebench", f"{why}; the winner, by the best lower bound: "
                                        f"{winner['trial'] if winner else 'none'}")
+
+    def rebench_one(self, tid: str, r: int, rounds: int) -> float | None:
+        """Re-bench round `r` of trial `tid`: deployed again, benched once, logged (phase rebench).
+        Its value, or None (it did not come up healthy or its bench failed: said and logged)."""
+        trial = next((x for x in self.trials + self.search_trials if x.id == tid), None)
+        if trial is None:
+            return None
+        with held_back(self.verbose, f"re-bench round {r}: deploying {tid} again"):
+            try:
+                record = self._switch_to(tid, trial)
+            except ServopsError as exc:
+                record = {"state": "failed", "reason": str(exc)}
+        value, failed = None, f"{record.get('state')}: {record.get('reason')}"
+        if record.get("state") == "healthy":
+            result, failed, _s = self._bench(trial, r, None)
+            value = result and self.camp.objective.value(result)
+            self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
+                                "outcome": "measured" if value is not None else "bench-failed",
+                                "runs": [] if value is None else [value],
+                                "result_path": result and result["path"], "reason": failed})
+            failed = f"bench failed: {failed}"
+        else:
+            self.journal.write({"phase": "rebench", "trial": tid, "round": r, "outcome": record.get("state"),
+                                "release": record.get("release"), "reason": record.get("reason")})
+        if value is None:
+            self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{rounds}: {failed}")
+        if interrupt.requested():
+            raise TuneError(f"interrupted in the re-bench; continue with invoke tune {self.camp.name} "
+                            f"-H {self._hosts_flag()} --resume")
+        return value
 
     def _switch_to(self, tid: str, trial: Trial) -> dict:
         """Trial `tid` deployed: its earlier release switched back to when it is still on the host
