@@ -201,13 +201,30 @@ def repeat_decision(camp: Campaign, done: list[dict], tid: str,
     twice, to measure the noise. (again?, why, the noise pooled with these runs). tune.Runner
     and bench/tune_verdict.py both decide here."""
     incumbent, _v = standings(camp, done, 0.0)
-    others = trial_runs(done)
-    noise = verdict.pooled_noise(dict(others, **{tid: runs}))
+    return _repeat_step(camp, trial_runs(done), incumbent and incumbent["trial"], tid, runs)
+
+
+def fleet_repeat_decision(camp: Campaign, done_by_host: dict[str, list[dict]], host: str, tid: str,
+                          runs: list[float]) -> tuple[bool, str, verdict.Noise | None]:
+    """repeat_decision in a fleet: against the fleet's incumbent, every run relative to its own
+    host's base (fleet_runs); each host's base twice."""
+    others = fleet_runs(done_by_host, {})
+    base = trial_runs(done_by_host.get(host) or []).get("base")
+    if tid == "base" or not base:  # (the noise is relative: the base's own runs measure it as they are)
+        return _repeat_step(camp, others, None, (host, tid), runs)
+    ref = math.fsum(base) / len(base)
+    incumbent, _v = interval_verdicts(camp, others, set(), str)
+    return _repeat_step(camp, others, incumbent, (host, tid), [v / ref for v in runs])
+
+
+def _repeat_step(camp: Campaign, others: dict, incumbent, key, runs: list[float]
+                 ) -> tuple[bool, str, verdict.Noise | None]:
+    noise = verdict.pooled_noise({**others, key: runs})
     if incumbent is None:
         again = len(runs) < 2
         return again, ("the first feasible trial: benched again to measure the noise" if again else
                        f"the campaign's noise: {noise.how}" if noise else "no noise measured"), noise
-    again, why = verdict.next_step(others[incumbent["trial"]], runs, noise, camp.objective.sense,
+    again, why = verdict.next_step(others[incumbent], runs, noise, camp.objective.sense,
                                    camp.max_repeats, camp.min_gain or 0.0, camp.confidence)
     return again, why, noise
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
-from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, log_path, objective_text,
-                             is_number, read_log, rebench_finalists, rebench_runs, repeat_decision, standings,
-                             start_text, trial_runs, trial_states)
+from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, fleet_repeat_decision,
+                             is_number, log_path, objective_text, read_log, rebench_finalists, rebench_runs,
+                             repeat_decision, standings, start_text, trial_runs, trial_states)
 from .campaignrecord import done_entries as logged_done
 from .campaignrecord import min_gain
 from .deploy import deploy_group, preflight
@@ -862,7 +862,11 @@ class Runner:
         done = self.done_entries()
         runs, level = [first], self.camp.confidence
         while True:
-            again, why, noise = repeat_decision(self.camp, done, t.id, runs)
+            if self.fleet is not None:  # against the fleet's incumbent, relative to each host's base
+                again, why, noise = fleet_repeat_decision(self.camp, self.fleet.done_by_host(), self.hs.host.name,
+                                                          t.id, runs)
+            else:
+                again, why, noise = repeat_decision(self.camp, done, t.id, runs)
             if not again:
                 break
             self.phase(t, k, "repeat", why)

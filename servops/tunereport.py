@@ -22,8 +22,8 @@ from pathlib import Path
 
 from . import verdict
 from .campaign import Campaign
-from .campaignrecord import (diagnosis_line, fleet_dir, fleet_runs, fleet_winner, log_path, min_gain, read_log, rebench_runs,
-                             standings, start_text, trial_runs, trial_states)
+from .campaignrecord import (diagnosis_line, fleet_dir, fleet_runs, fleet_winner, log_path, min_gain, read_log,
+                             rebench_runs, standings, start_text, trial_runs, trial_states)
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
 
@@ -231,7 +231,8 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
     return {"campaign": camp, "host": ", ".join(datas), "rows": rows, "winner": winner, "base": base,
             "drift": None, "leave": first["leave"], "log": fleet_dir(camp.name) / "fleet.json",
             "problems": [p for d in datas.values() for p in d["problems"]], "min_gain": gain, "min_gain_how": how,
-            "noise": noise, "rebench": [dict(e, host=h) for h, d in datas.items() for e in d["rebench"]], "fleet": True, "drifts": {h: d["drift"] for h, d in datas.items() if d["drift"]}}
+            "noise": noise, "rebench": [dict(e, host=h) for h, d in datas.items() for e in d["rebench"]],
+            "fleet": True, "drifts": {h: d["drift"] for h, d in datas.items() if d["drift"]}}
 
 
 def print_fleet_summary(hosts: list[str], camp: Campaign) -> None:
@@ -380,7 +381,7 @@ def repeat_lines(data: dict) -> list[str]:
     out = [f"{r['trial']}: {objective_cell(r)}; {runs_cell(r)}" for r in data["rows"] if r.get("runs")]
     for e in data.get("rebench") or []:
         if e.get("trial"):
-            out.append(f"re-bench round {e.get('round')}: {e['trial']}: "
+            out.append(f"re-bench round {e.get('round')}: {e['trial']}{'@' + e['host'] if e.get('host') else ''}: "
                        + (fmt(e["runs"][0]) if e.get("runs") else f"{e.get('outcome')}: {e.get('reason') or ''}"))
         elif e.get("outcome") == "finished":
             out.append(f"re-bench ended: {e.get('reason')}")
