@@ -159,11 +159,13 @@ def evaluate(camp: Campaign, result: dict, base_result: dict | None, start: dict
         if not ok:
             passed = False
             failed.append(line)
-    value = camp.objective.value(result)
+    value = camp.objective.value(result, start)
     lv = next((l for l in result.get("levels", []) if l.get("concurrency") == camp.objective.level), {})
+    ci = (lv.get("ci95") or {}).get(camp.objective.metric)
+    if ci and value is not None and lv.get(camp.objective.metric):  # (net of start-up: scaled alike)
+        ci = [c * value / lv[camp.objective.metric] for c in ci]
     return {"feasible": bool(passed and value is not None), "objective": value,
-            "objective_ci": (lv.get("ci95") or {}).get(camp.objective.metric), "constraints": lines,
-            "violations": failed}
+            "objective_ci": ci, "constraints": lines, "violations": failed}
 
 
 def key_metrics(result: dict) -> dict:
@@ -222,6 +224,7 @@ class Runner:
         self.hs, self.camp, self.verbose, self.resume = hs, camp, verbose, resume
         self.warm_start = warm_start
         self.warm_from: dict[str, str] = {}   # trial id -> the earlier campaign its point came from
+        self.starts: dict[str, dict] = {}     # trial id -> its start-up (objective.starts_per_day weighs it)
         self.fleet = fleet
         self.executed = 0
         self.current: tuple | None = None   # (trial, its study trial or None) while one runs
@@ -735,7 +738,7 @@ class Runner:
                     return self._merge(parts), None, seconds, {"level": levels[0], "violations": bad, "reason": reason}
         seconds = time.monotonic() - b0
         result = self._merge(parts)
-        self.phase(t, k, "bench", self._bench_text(result, None, seconds))
+        self.phase(t, k, "bench", self._bench_text(t.id, result, None, seconds))
         return result, None, seconds, None
 
     def _merge(self, parts: list[dict]) -> dict:
@@ -820,15 +823,22 @@ class Runner:
                 result, why = None, str(exc)
         seconds = time.monotonic() - b0
         if label is not None:
-            self.phase(t, k, label, self._bench_text(result, why, seconds))
+            self.phase(t, k, label, self._bench_text(t.id, result, why, seconds))
         return result, why, seconds
 
-    def _bench_text(self, result: dict | None, why: str | None, seconds: float) -> str:
+    def _value(self, tid: str, result: dict) -> float | None:
+        """The objective of one bench of trial `tid` (with start-up as a cost: at the start-up its
+        deploy in the campaign measured)."""
+        if tid not in self.starts:
+            self.starts[tid] = (self._done_anywhere(tid) or {}).get("start") or {}
+        return self.camp.objective.value(result, self.starts[tid])
+
+    def _bench_text(self, tid: str, result: dict | None, why: str | None, seconds: float) -> str:
         if result is None:
             return f"failed after {seconds:.1f}s: {why}"
         lv = next((l for l in result["levels"] if l["concurrency"] == self.camp.objective.level), {})
         runs = lv.get("repeats") or 1
-        value = objective_text(self.camp, self.camp.objective.value(result),
+        value = objective_text(self.camp, self._value(tid, result),
                                (lv.get("ci95") or {}).get(self.camp.objective.metric))
         return (f"{value} ({runs} run{'s' if runs > 1 else ''}; {sum(l['completed'] for l in result['levels'])} "
                 f"requests ok, {sum(l['failed'] for l in result['levels'])} failed, in {seconds:.1f}s)")
@@ -844,7 +854,7 @@ class Runner:
             band = (ci[1] - ci[0]) / 2 / abs(value)
             return {"band": band, "how": f"the 95% interval of the base's {lv.get('repeats')} runs: ±{band * 100:.1f}%"}
         again, why, _s = self._bench(t, k, None)
-        second = again and self.camp.objective.value(again)
+        second = again and self._value(t.id, again)
         if not second:
             self.phase(t, k, "noise", f"benched again: {why or 'no objective measured'}; min_gain "
                                       f"{DEFAULT_MIN_GAIN * 100:g}%")
@@ -871,7 +881,7 @@ class Runner:
                 break
             self.phase(t, k, "repeat", why)
             result, failed, _s = self._bench(t, k, None)
-            value = result and self.camp.objective.value(result)
+            value = result and self._value(t.id, result)
             if value is None:
                 why = f"a repeat failed ({failed or 'no objective measured'}): {len(runs)} run(s) kept"
                 break
@@ -888,6 +898,7 @@ class Runner:
         if self.warm_from.get(t.id):
             base["warm_from"] = self.warm_from[t.id]
         record, deploy_s = self._deploy(t, k, base, state)
+        self.starts[t.id] = record.get("start") or {}
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
         if record.get("start"):
             done["start"] = record["start"]
@@ -1033,7 +1044,7 @@ class Runner:
         value, failed = None, f"{record.get('state')}: {record.get('reason')}"
         if record.get("state") == "healthy":
             result, failed, _s = self._bench(trial, r, None)
-            value = result and self.camp.objective.value(result)
+            value = result and self._value(tid, result)
             self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
                                 "outcome": "measured" if value is not None else "bench-failed",
                                 "runs": [] if value is None else [value],
@@ -1081,7 +1092,7 @@ class Runner:
             self.journal.write({"phase": "drift", "outcome": "bench failed", "reason": why})
             self.phase(None, 0, "drift", f"the base's bench failed: {why}")
             return
-        before, now = base.get("objective"), self.camp.objective.value(result)
+        before, now = base.get("objective"), self._value("base", result)
         drift = None if not before or now is None else (now - before) / before * 100.0
         self.journal.write({"phase": "drift", "outcome": "measured", "release": record.get("release"),
                             "result_path": result["path"], "before": before, "after": now,

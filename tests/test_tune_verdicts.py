@@ -264,3 +264,38 @@ def test_a_fleet_campaign_repeats_rebenches_and_shows_intervals_as_one_host_does
             assert f"| {h} | base@{h} |" in md and f"({len(base['runs'])} runs) |" in md
     finally:
         run_invoke("stop", "--grace", "2", "--break-lock", "-H", "all", inventory=inv)
+
+
+START_COST = """base: noisy
+candidates:
+  - name: big
+    server_args: {cuda-graph-max-bs: 256}     # 36 batch sizes captured: the slowest start
+bench: {levels: [16], requests: 16, input_len: 16, output_len: 12, warmup: 1}
+objective: {maximize: output_tps@16, constraints: ["failed == 0"], starts_per_day: 1440}
+leave: base
+"""
+
+
+def test_start_up_as_a_cost_in_the_objective_and_a_bad_spec_changes_nothing(noisy_lab):
+    lab, inv, env_for, camps, results = noisy_lab
+    env = env_for()
+    (camps / "broken.yml").write_text(START_COST.replace("maximize: output_tps@16", "minimize: p99_ttft_ms@16"))
+    res = run_invoke("tune", "broken", inventory=inv, env=env)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stdout + res.stderr
+    assert "broken.yml: objective.starts_per_day: weighs start-up against a rate served" in res.stderr
+    assert not lab.tmp.joinpath("deploy-lab1").exists()
+    (camps / "cost.yml").write_text(START_COST)
+    res = run_invoke("tune", "cost", inventory=inv, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    done = {e["trial"]: e for e in log_of(results, "cost") if e.get("phase") == "done"}
+    assert {t: d["outcome"] for t, d in done.items()} == {"base": "ok", "big": "ok"}
+    for d in done.values():  # 1440 starts a day: each start-up second is 1/60 of the day's serving lost
+        raw = d["metrics"]["16"]["output_tps"]
+        assert d["objective"] == pytest.approx(raw * (1 - d["start"]["start_s"] / 60.0), rel=1e-6)
+    assert "maximize output_tps@16 net of 1440 starts/day" in res.stdout
+    head = next(e for e in log_of(results, "cost") if e.get("phase") == "campaign")
+    assert head["objective"] == "output_tps@16 net of 1440 starts/day"
+    rep = run_invoke("tune.report", "cost", inventory=inv, env=env)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    md = (results / "lab1" / "campaigns" / "cost" / "report.md").read_text()
+    assert "- objective: maximize `output_tps@16 net of 1440 starts/day`" in md and "start to healthy" in md
