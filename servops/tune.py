@@ -32,8 +32,8 @@ from pathlib import Path
 from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
 from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, fleet_repeat_decision,
-                             is_number, log_path, objective_text, read_log, rebench_finalists, rebench_runs,
-                             repeat_decision, standings, start_text, trial_runs, trial_states)
+                             fleet_winner, is_number, log_path, objective_text, read_log, rebench_finalists,
+                             rebench_runs, repeat_decision, standings, start_text, trial_runs, trial_states)
 from .campaignrecord import done_entries as logged_done
 from .campaignrecord import min_gain
 from .deploy import deploy_group, preflight
@@ -460,7 +460,7 @@ class Runner:
             self.states[t.id] = TrialState(t.id, [done])
             if self.fleet is not None:
                 self.fleet.finished(self, t, done)
-            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            verdicts = self._verdicts_now()
             self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
                                      f"{self.clock.eta(self.remaining(i, self.used()))}")
             if interrupt.requested():
@@ -621,7 +621,7 @@ class Runner:
             self.pin_best()
             if self.fleet is not None:
                 self.fleet.finished(self, t, done)
-            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            verdicts = self._verdicts_now()
             left = None if self.camp.max_trials is None else max(0, self.camp.max_trials - k)
             self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
                                      + (self.clock.eta(left) if left is not None else "until max_wall_time"))
@@ -687,6 +687,15 @@ class Runner:
 
     def _study_lock(self):
         return self.fleet.lock if self.fleet is not None else contextlib.nullcontext()
+
+    def _verdicts_now(self) -> dict[str, str]:
+        """Each finished trial's verdict for its done line: the campaign's standings (a fleet with
+        max_repeats: the fleet's, against the fleet's incumbent, as its table shows them)."""
+        if self.fleet is not None and self.camp.sequential:
+            host = self.hs.host.name
+            return {tid: v for (h, tid), v in fleet_winner(self.camp, self.fleet.done_by_host())[1].items() if h == host}
+        done = self.done_entries()
+        return standings(self.camp, done, min_gain(self.camp, done)[0])[1]
 
     def _done_of(self, tid: str) -> dict | None:
         return next((e for e in self.done_entries() if e["trial"] == tid), None)

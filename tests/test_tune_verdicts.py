@@ -254,6 +254,11 @@ def test_a_fleet_campaign_repeats_rebenches_and_shows_intervals_as_one_host_does
         # the console and the report: the fleet's noise, every interval, runs and why repeating stopped
         assert "80% intervals, noise" in res.stdout and how.startswith(f"{verdict.pooled_noise(runs_all).sd * 100:.1f}% per run")
         assert "runs (why repeating stopped)" in res.stdout
+        for h in hosts:  # each done line: the fleet's verdict as it stood then (against the fleet's incumbent)
+            for d in done_by_host[h]:
+                line = next(l for l in res.stdout.splitlines() if l.startswith(f"{h} [") and f" {d['trial']} " in l
+                            and " done " in l)
+                assert "first feasible trial" in line or "@lab" in line, line
         rep = run_invoke("tune.report", "fseq", "-H", ",".join(hosts), inventory=inv, env=env)
         assert rep.returncode == 0, rep.stdout + rep.stderr
         md = (results / "_fleet" / "fseq" / "report.md").read_text()
