@@ -229,14 +229,13 @@ def _repeat_step(camp: Campaign, others: dict, incumbent, key, runs: list[float]
     return again, why, noise
 
 
-def rebench_finalists(camp: Campaign, done: list[dict], rebenched: dict[str, list[float]],
-                      round_no: int) -> tuple[list[str], str]:
-    """The end re-bench's round `round_no` (from 1): the finalists to bench once more each, or
-    none and why the re-bench stops (verdict.final_rounds / finalists)."""
+def rebench_finalists(camp: Campaign, runs: dict, round_no: int) -> tuple[list, str]:
+    """The end re-bench's round `round_no` (from 1) over `runs` (trial_runs, or a fleet's
+    fleet_runs): the finalists to bench once more each, or none and why the re-bench stops
+    (verdict.final_rounds / finalists)."""
     rounds = verdict.final_rounds(camp.rebench_top)
     if round_no > len(rounds):
         return [], "every round ran"
-    runs = trial_runs(done, rebenched)
     names = verdict.finalists(runs, verdict.pooled_noise(runs), camp.objective.sense, rounds[round_no - 1],
                               camp.confidence)
     if len(names) < 2:

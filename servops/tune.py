@@ -1020,7 +1020,7 @@ class Runner:
         first = 1 + max((e.get("round") or 0 for e in entries if e.get("phase") == "rebench"), default=0)
         why = "every round ran"
         for r in range(first, rounds + 1):
-            names, why = rebench_finalists(self.camp, done, rebenched, r)
+            names, why = rebench_finalists(self.camp, trial_runs(done, rebenched), r)
             if not names:
                 break
             why = why or "every round ran"

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from . import hostfacts, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial
-from .campaignrecord import (TuneError, fleet_dir, fleet_runs, fleet_winner, log_path, read_log, rebench_runs,
-                             trial_states)
+from .campaignrecord import (TuneError, fleet_dir, fleet_runs, fleet_winner, log_path, read_log, rebench_finalists,
+                             rebench_runs, trial_states)
 from .errors import ServopsError, TransportError
 from .gate import num
 from .output import CHANGED, FAILED, OK, Failed, Recap, console, err_console
@@ -369,14 +369,12 @@ def _rebench(fleet: Fleet, alive: list[str]) -> None:
                      if e.get("phase") == "rebench"), default=0)
     why = "every round ran"
     for r in range(first, rounds + 1):
-        runs = fleet_runs(fleet.done_by_host(), fleet.rebenched())
-        keys = [k for k in verdict.finalists(runs, verdict.pooled_noise(runs), camp.objective.sense,
-                                             verdict.final_rounds(camp.rebench_top)[r - 1], camp.confidence)
-                if k[0] in alive]
+        names, why = rebench_finalists(camp, fleet_runs(fleet.done_by_host(), fleet.rebenched()), r)
+        keys = [k for k in names if k[0] in alive]
         if len(keys) < 2:
-            why = "one finalist left: the others are separated below it" if len(runs) > 1 else \
-                "fewer than two feasible trials"
+            why = why or "the other finalists' hosts dropped out"
             break
+        why = "every round ran"
 
         def host_part(host: str) -> None:
             runner = fleet.runners[host]
