@@ -10,10 +10,14 @@ verdicts are tune's own code:
 - today (max_repeats 1): one run per trial, the base benched twice and their spread min_gain;
   campaignrecord.standings picks the winner (a trial leads only when it beats the incumbent by
   more than min_gain).
-- sequential (max_repeats 2): as tune.Runner does it -- the base twice (the noise), each trial
-  benched again while verdict.next_step says unsure, then the end re-bench of the finalists
-  (verdict.final_rounds / finalists), and campaignrecord.standings' winner: the finalist with
-  the best lower bound.
+- sequential (max_repeats 2, and 3 for the record): as tune.Runner does it -- the base twice
+  (the noise), each trial benched again while campaignrecord.repeat_decision says so (unsure
+  and could still matter, on the noise pooled over every repeated trial), then the end
+  re-bench's rounds (campaignrecord.rebench_finalists), and campaignrecord.standings' winner:
+  the finalist with the best lower bound.
+- a reference, not tune's: all 8 trials known at once, one run each, then the rest of 2x
+  today's benches spent one at a time by LUCB: what any allocation of that many benches gets
+  on this noise (the goal, >= 90% at 2x, lies above it).
 
     .venv/bin/python bench/tune_verdict.py      # last lines: wins of 10 seeds and benches, both
 """
@@ -30,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from servops import verdict  # noqa: E402
 from servops.campaign import load_campaign  # noqa: E402
-from servops.campaignrecord import min_gain, standings, trial_runs  # noqa: E402
+from servops.campaignrecord import (min_gain, rebench_finalists, repeat_decision, standings,  # noqa: E402
+                                   trial_runs)
 
 JITTER = 0.05        # SGLANG_DOUBLE_RUN_JITTER
 TRIALS, GAIN = 8, 0.04
@@ -60,38 +65,46 @@ def today(camp, trues: dict[str, float], rng) -> tuple[str, int]:
 
 
 def sequential(camp, trues: dict[str, float], rng) -> tuple[str, int]:
-    """As tune.Runner: _repeats for each trial, then _rebench."""
+    """As tune.Runner: each trial benched again while campaignrecord.repeat_decision says so,
+    then the end re-bench's rounds (campaignrecord.rebench_finalists) and standings' winner."""
     done: list[dict] = []
     benches = 0
     for t, true in trues.items():
-        incumbent, _v = standings(camp, done, 0.0)
-        others = trial_runs(done)
         runs = [draw(rng, true)]
         benches += 1
-        while True:
-            noise = verdict.pooled_noise(dict(others, **{t: runs}))
-            if incumbent is None:
-                again = len(runs) < 2
-            else:
-                again, _why = verdict.next_step(others[incumbent["trial"]], runs, noise, camp.objective.sense,
-                                                camp.max_repeats, 0.0, camp.confidence)
-            if not again:
-                break
+        while repeat_decision(camp, done, t, runs)[0]:
             runs.append(draw(rng, true))
             benches += 1
         done.append({"trial": t, "outcome": "ok", "objective": statistics.fmean(runs), "runs": runs})
     rebenched: dict[str, list[float]] = {}
-    for top in verdict.final_rounds(camp.rebench_top):
-        runs_now = trial_runs(done, rebenched)
-        names = verdict.finalists(runs_now, verdict.pooled_noise(runs_now), camp.objective.sense, top,
-                                  camp.confidence)
-        if len(names) < 2:
+    for r in range(1, len(verdict.final_rounds(camp.rebench_top)) + 1):
+        names, _why = rebench_finalists(camp, trial_runs(done, rebenched), r)
+        if not names:
             break
         for t in names:
             rebenched.setdefault(t, []).append(draw(rng, trues[t]))
             benches += 1
     winner, _v = standings(camp, done, 0.0, rebenched)
     return winner["trial"], benches
+
+
+def ideal(budget: int):
+    """A reference, not tune's: every trial known at once (no order, no restart), one run each,
+    then `budget` spent one bench at a time by LUCB (the leader by mean and the challenger with
+    the highest upper bound, the one of them with fewer runs), the winner the best mean: how
+    far any allocation of that many benches gets on this noise."""
+    def run(_camp, trues: dict[str, float], rng) -> tuple[str, int]:
+        runs = {t: [draw(rng, v)] for t, v in trues.items()}
+        sd = JITTER / 3 ** 0.5 * 1000.0
+        for _ in range(budget - len(runs)):
+            means = {t: statistics.fmean(v) for t, v in runs.items()}
+            lead = max(means, key=means.get)
+            rival = max((t for t in runs if t != lead), key=lambda t: means[t] + 2 * sd / len(runs[t]) ** 0.5)
+            pick = lead if len(runs[lead]) <= len(runs[rival]) else rival
+            runs[pick].append(draw(rng, trues[pick]))
+        return max(runs, key=lambda t: statistics.fmean(runs[t])), budget
+    run.__name__ = "ideal"
+    return run
 
 
 def trues_of(seed: int) -> tuple[dict[str, float], str]:
@@ -117,14 +130,19 @@ def main() -> None:
           f"(the double's RUN_JITTER; {JITTER / 3 ** 0.5:.1%} standard deviation a run)")
     rows = {}
     for name, fn, camp in (("today (one run each, min_gain)", today, old),
-                           (f"sequential (max_repeats {new.max_repeats}, {new.confidence:.0%} intervals, "
-                            f"re-bench top {new.rebench_top})", sequential, new)):
+                           *((f"sequential (max_repeats {c.max_repeats}, {c.confidence:.0%} intervals, "
+                              f"re-bench top {c.rebench_top})", sequential, c) for c in (new, campaign(3)))):
         wins, benches = score(fn, camp, SEEDS)
         long_wins, long_benches = score(fn, camp, MORE_SEEDS)
-        rows[fn.__name__] = (wins, statistics.fmean(benches))
+        rows.setdefault(fn.__name__, (wins, statistics.fmean(benches)))
         print(f"{name}: the true best won {wins}/{len(SEEDS)} seeds at {statistics.fmean(benches):.1f} benches "
               f"(over {len(MORE_SEEDS)} seeds: {long_wins / len(MORE_SEEDS):.1%} at "
               f"{statistics.fmean(long_benches):.1f})")
+    budget = round(2 * rows["today"][1])
+    wins, _b = score(ideal(budget), None, SEEDS)
+    long_wins, _b = score(ideal(budget), None, MORE_SEEDS)
+    print(f"reference, not tune's: all {TRIALS} trials at once, {budget} benches spent by LUCB: {wins}/{len(SEEDS)} "
+          f"(over {len(MORE_SEEDS)} seeds: {long_wins / len(MORE_SEEDS):.1%})")
     (w0, b0), (w1, b1) = rows["today"], rows["sequential"]
     print(f"wins: {w1}/{len(SEEDS)} vs today's {w0}/{len(SEEDS)} (goal >= 9/10)")
     print(f"benches: {b1:.1f} vs today's {b0:.1f} = {b1 / b0:.2f}x (goal <= 2x)")

@@ -20,6 +20,7 @@
                                           # then re-bench the top few and choose by the interval's lower bound
       confidence: 80%                     # the intervals' level (default 80%)
       rebench_top: 3                      # how many finalists the end re-bench takes (default 3)
+      starts_per_day: 4                   # start-up as a cost: the objective x (1 - 4 * start_s / 86400)
     budget: {max_trials: 20, max_wall_time: 12h}
     auto_patch: true                      # a crash whose known issue names a patch: retry once with it
     leave: best                           # or base
@@ -117,7 +118,8 @@ CAMPAIGN = {
     "objective": Field("record", fields={
         "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str")),
         "min_gain": Field("any", check=_gain_ok), "max_repeats": Field("int", 1, MAX_REPEAT),
-        "confidence": Field("any", check=_confidence_ok), "rebench_top": Field("int", 2, 10)}),
+        "confidence": Field("any", check=_confidence_ok), "rebench_top": Field("int", 2, 10),
+        "starts_per_day": Field("number", low=0.001, high=1440)}),
     "budget": Field("record", fields={
         "max_trials": Field("int", 1, MAX_TRIALS),
         "max_wall_time": Field("any", check=parse_duration)}),
@@ -143,20 +145,30 @@ class Trial:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+DAY_S = 86400.0
+
+
 @dataclass
 class Objective:
     sense: str          # maximize | minimize
     metric: str         # summary name (output_tps, ttft_p99, ...)
     level: int
-    written: str
+    written: str        # as the console and the report name it (with its start-up cost, when it has one)
+    starts_per_day: float = 0.0   # start-up as a cost: the server serves nothing while it starts
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.sense == "maximize" else a < b
 
-    def value(self, result: dict) -> float | None:
+    def value(self, result: dict, start: dict | None = None) -> float | None:
+        """The objective of one bench; with `starts_per_day`, the throughput over a day in which
+        the server starts that many times, serving nothing for its `start_s` each time:
+        x (1 - starts_per_day * start_s / 86400) (a start-up not timed costs nothing)."""
         lv = next((l for l in result.get("levels", []) if l.get("concurrency") == self.level), None)
         v = (lv or {}).get(self.metric)
-        return None if v is None else float(v)
+        if v is None:
+            return None
+        lost = self.starts_per_day * float((start or {}).get("start_s") or 0.0) / DAY_S
+        return float(v) * max(0.0, 1.0 - lost)
 
 
 @dataclass
@@ -205,7 +217,13 @@ def _objective(path: Path, spec: dict, levels: list[int]) -> Objective:
         raise _fail(path, f"objective.{senses[0]}", f"unknown metric {m[1]!r} (e.g. output_tps, p99_ttft_ms, goodput)")
     if int(m[2]) not in levels:
         raise _fail(path, f"objective.{senses[0]}", f"level {m[2]} is not one of bench.levels {levels}")
-    return Objective(senses[0], metric, int(m[2]), written)
+    starts = spec.get("starts_per_day")
+    if starts is None:
+        return Objective(senses[0], metric, int(m[2]), written)
+    if senses[0] != "maximize" or metric not in gatemod.HIGHER_IS_BETTER:
+        raise _fail(path, "objective.starts_per_day", f"weighs start-up against a rate served (maximize: "
+                                                      f"output_tps@N, goodput@N, ...), not {senses[0]}: {written}")
+    return Objective(senses[0], metric, int(m[2]), f"{written} net of {starts:g} starts/day", float(starts))
 
 
 START_METRICS = ("start_s", "capture_s", "piecewise_capture_s", "compile_s", "init_s")

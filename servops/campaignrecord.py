@@ -9,6 +9,7 @@ downward only.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,38 +194,96 @@ def campaign_noise(done: list[dict], rebenched: dict[str, list[float]] | None = 
     return verdict.pooled_noise(trial_runs(done, rebenched))
 
 
+def repeat_decision(camp: Campaign, done: list[dict], tid: str,
+                    runs: list[float]) -> tuple[bool, str, verdict.Noise | None]:
+    """max_repeats >= 2: bench trial `tid` (its `runs` so far) again, without a restart? Against
+    the incumbent of the finished trials `done` (verdict.next_step); the first feasible trial
+    twice, to measure the noise. (again?, why, the noise pooled with these runs). tune.Runner
+    and bench/tune_verdict.py both decide here."""
+    incumbent, _v = standings(camp, done, 0.0)
+    return _repeat_step(camp, trial_runs(done), incumbent and incumbent["trial"], tid, runs)
+
+
+def fleet_repeat_decision(camp: Campaign, done_by_host: dict[str, list[dict]], host: str, tid: str,
+                          runs: list[float]) -> tuple[bool, str, verdict.Noise | None]:
+    """repeat_decision in a fleet: against the fleet's incumbent, every run relative to its own
+    host's base (fleet_runs); each host's base twice."""
+    others = fleet_runs(done_by_host, {})
+    base = trial_runs(done_by_host.get(host) or []).get("base")
+    if tid == "base" or not base:  # (the noise is relative: the base's own runs measure it as they are)
+        return _repeat_step(camp, others, None, (host, tid), runs)
+    ref = math.fsum(base) / len(base)
+    incumbent, _v = interval_verdicts(camp, others, set(), str)
+    return _repeat_step(camp, others, incumbent, (host, tid), [v / ref for v in runs])
+
+
+def _repeat_step(camp: Campaign, others: dict, incumbent, key, runs: list[float]
+                 ) -> tuple[bool, str, verdict.Noise | None]:
+    noise = verdict.pooled_noise({**others, key: runs})
+    if incumbent is None:
+        again = len(runs) < 2
+        return again, ("the first feasible trial: benched again to measure the noise" if again else
+                       f"the campaign's noise: {noise.how}" if noise else "no noise measured"), noise
+    again, why = verdict.next_step(others[incumbent], runs, noise, camp.objective.sense,
+                                   camp.max_repeats, camp.min_gain or 0.0, camp.confidence)
+    return again, why, noise
+
+
+def rebench_finalists(camp: Campaign, runs: dict, round_no: int) -> tuple[list, str]:
+    """The end re-bench's round `round_no` (from 1) over `runs` (trial_runs, or a fleet's
+    fleet_runs): the finalists to bench once more each, or none and why the re-bench stops
+    (verdict.final_rounds / finalists)."""
+    rounds = verdict.final_rounds(camp.rebench_top)
+    if round_no > len(rounds):
+        return [], "every round ran"
+    names = verdict.finalists(runs, verdict.pooled_noise(runs), camp.objective.sense, rounds[round_no - 1],
+                              camp.confidence)
+    if len(names) < 2:
+        return [], ("one finalist left: the others are separated below it" if len(runs) > 1
+                    else "fewer than two feasible trials")
+    return names, ""
+
+
 def sequential_standings(camp: Campaign, done: list[dict],
                          rebenched: dict[str, list[float]]) -> tuple[dict | None, dict[str, str]]:
     """Replay the feasible trials in order, each compared with the incumbent on the intervals of
-    their runs: "better"/"worse" once the gain's interval leaves zero, else a tie within noise
-    (the incumbent: the higher mean). After the end re-bench the winner is the finalist with the
+    their runs (interval_verdicts); after the end re-bench the winner is the finalist with the
     best lower bound."""
-    runs = trial_runs(done, rebenched)
+    by_id = {e["trial"]: e for e in done}
+    best, verdicts = interval_verdicts(camp, trial_runs(done, rebenched), set(rebenched), str)
+    return (by_id[best] if best else None), verdicts
+
+
+def interval_verdicts(camp: Campaign, runs: dict, finals: set, name) -> tuple[object | None, dict]:
+    """`runs` (key -> the objective's runs, in the order the trials finished) replayed: each
+    compared with the incumbent, "better"/"worse" once the gain's interval leaves zero, else a
+    tie within noise (the incumbent: the higher mean); the noise pooled over every key benched
+    more than once. The keys in `finals` (re-benched at the end) then decide: the best lower
+    bound wins. `name(key)` is how a key reads. (the winner's key, each key's verdict)"""
     noise = verdict.pooled_noise(runs)
     sense, level = camp.objective.sense, camp.confidence
-    by_id = {e["trial"]: e for e in done}
     best, verdicts = None, {}
-    for tid, values in runs.items():
+    for key, values in runs.items():
         if best is None:
-            best, verdicts[tid] = tid, "first feasible trial: the incumbent"
+            best, verdicts[key] = key, "first feasible trial: the incumbent"
             continue
         c = verdict.compare(runs[best], values, noise, sense, level)
         if c.state == "better":
-            verdicts[tid], best = f"better: {c.text()} vs {best}: the new best", tid
+            verdicts[key], best = f"better: {c.text()} vs {name(best)}: the new best", key
         elif c.state == "worse":
-            verdicts[tid] = f"worse: {c.text()} vs {best}"
+            verdicts[key] = f"worse: {c.text()} vs {name(best)}"
         elif c.gain > 0:
-            verdicts[tid], best = f"tie within noise: {c.text()} vs {best}; ahead on the mean", tid
+            verdicts[key], best = f"tie within noise: {c.text()} vs {name(best)}; ahead on the mean", key
         else:
-            verdicts[tid] = f"tie within noise: {c.text()} vs {best}; {best} stays ahead"
-    finals = {t: runs[t] for t in rebenched if t in runs}
-    if finals:
-        best = verdict.choose(finals, noise, sense, level)
-        for t, values in finals.items():
+            verdicts[key] = f"tie within noise: {c.text()} vs {name(best)}; {name(best)} stays ahead"
+    finalists = {k: runs[k] for k in runs if k in finals}
+    if finalists:
+        best = verdict.choose(finalists, noise, sense, level)
+        for k, values in finalists.items():
             m, lo, hi = verdict.interval(values, noise, level)
-            what = "the best lower bound: chosen" if t == best else "finalist"
-            verdicts[t] += f"; re-benched: {num(m)} [{num(lo)}, {num(hi)}] over {len(values)} runs, {what}"
-    return (by_id[best] if best else None), verdicts
+            what = "the best lower bound: chosen" if k == best else "finalist"
+            verdicts[k] += f"; re-benched: {num(m)} [{num(lo)}, {num(hi)}] over {len(values)} runs, {what}"
+    return best, verdicts
 
 
 def objective_text(camp: Campaign, value: float | None, ci: list | None) -> str:
@@ -285,10 +344,20 @@ def fleet_gain(camp: Campaign, done_by_host: dict[str, list[dict]]) -> tuple[flo
     return DEFAULT_MIN_GAIN, "no repeat of a base measured the noise"
 
 
-def fleet_winner(camp: Campaign, done_by_host: dict[str, list[dict]]) -> tuple[dict | None, dict, float, str]:
-    """(the winner's relative entry, verdicts by (host, trial), min_gain, its source)."""
-    gain, how = fleet_gain(camp, done_by_host)
+def fleet_winner(camp: Campaign, done_by_host: dict[str, list[dict]],
+                 rebenched_by_host: dict[str, dict[str, list[float]]] | None = None
+                 ) -> tuple[dict | None, dict, float, str]:
+    """(the winner's relative entry, verdicts by (host, trial), min_gain, its source). A campaign
+    with max_repeats >= 2: fleet_runs' intervals (the gain 0 and the noise's source instead)."""
     entries = relative_entries(done_by_host)
+    if camp.sequential:
+        runs = fleet_runs(done_by_host, rebenched_by_host or {})
+        finals = {(h, t) for h, r in (rebenched_by_host or {}).items() for t in r}
+        best, verdicts = interval_verdicts(camp, runs, finals, lambda k: f"{k[1]}@{k[0]}")
+        noise = verdict.pooled_noise(runs)
+        winner = next((e for e in entries if (e["host"], e["trial"]) == best), None)
+        return winner, verdicts, 0.0, (noise.how if noise else "no trial benched twice: no noise measured")
+    gain, how = fleet_gain(camp, done_by_host)
     best, verdicts = None, {}
     for e in entries:
         if e.get("outcome") != "ok" or e.get("objective") is None or str(e.get("trial")).startswith("drift"):
@@ -308,6 +377,24 @@ def fleet_winner(camp: Campaign, done_by_host: dict[str, list[dict]]) -> tuple[d
     return best, verdicts, gain, how
 
 
+def fleet_runs(done_by_host: dict[str, list[dict]],
+               rebenched_by_host: dict[str, dict[str, list[float]]]) -> dict[tuple[str, str], list[float]]:
+    """Every host's feasible trials' runs (their own, then the end re-bench's), each relative to
+    its own host's base (the mean of the base's runs: 1.0), keyed (host, trial), in the order
+    they finished: one fleet's runs compare across unlike-speed hosts, and their noise pools."""
+    out, order = {}, []
+    for host, done in done_by_host.items():
+        runs = trial_runs(done, rebenched_by_host.get(host))
+        base = runs.get("base")
+        if not base or not math.fsum(base):
+            continue
+        ref = math.fsum(base) / len(base)
+        at = {e["trial"]: e.get("at") or "" for e in done}
+        for tid, values in runs.items():
+            order.append((at.get(tid, ""), host, tid, [v / ref for v in values]))
+    for _at, host, tid, values in sorted(order, key=lambda x: (x[0], x[1])):
+        out[(host, tid)] = values
+    return out
 
 
 def done_entries(path: Path) -> list[dict]:

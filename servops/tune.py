@@ -31,8 +31,9 @@ from pathlib import Path
 
 from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
-from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, log_path, objective_text,
-                             is_number, read_log, rebench_runs, standings, start_text, trial_runs, trial_states)
+from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, fleet_repeat_decision,
+                             fleet_winner, is_number, log_path, objective_text, read_log, rebench_finalists,
+                             rebench_runs, repeat_decision, standings, start_text, trial_runs, trial_states)
 from .campaignrecord import done_entries as logged_done
 from .campaignrecord import min_gain
 from .deploy import deploy_group, preflight
@@ -158,11 +159,13 @@ def evaluate(camp: Campaign, result: dict, base_result: dict | None, start: dict
         if not ok:
             passed = False
             failed.append(line)
-    value = camp.objective.value(result)
+    value = camp.objective.value(result, start)
     lv = next((l for l in result.get("levels", []) if l.get("concurrency") == camp.objective.level), {})
+    ci = (lv.get("ci95") or {}).get(camp.objective.metric)
+    if ci and value is not None and lv.get(camp.objective.metric):  # (net of start-up: scaled alike)
+        ci = [c * value / lv[camp.objective.metric] for c in ci]
     return {"feasible": bool(passed and value is not None), "objective": value,
-            "objective_ci": (lv.get("ci95") or {}).get(camp.objective.metric), "constraints": lines,
-            "violations": failed}
+            "objective_ci": ci, "constraints": lines, "violations": failed}
 
 
 def key_metrics(result: dict) -> dict:
@@ -221,6 +224,7 @@ class Runner:
         self.hs, self.camp, self.verbose, self.resume = hs, camp, verbose, resume
         self.warm_start = warm_start
         self.warm_from: dict[str, str] = {}   # trial id -> the earlier campaign its point came from
+        self.starts: dict[str, dict] = {}     # trial id -> its start-up (objective.starts_per_day weighs it)
         self.fleet = fleet
         self.executed = 0
         self.current: tuple | None = None   # (trial, its study trial or None) while one runs
@@ -456,7 +460,7 @@ class Runner:
             self.states[t.id] = TrialState(t.id, [done])
             if self.fleet is not None:
                 self.fleet.finished(self, t, done)
-            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            verdicts = self._verdicts_now()
             self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
                                      f"{self.clock.eta(self.remaining(i, self.used()))}")
             if interrupt.requested():
@@ -617,7 +621,7 @@ class Runner:
             self.pin_best()
             if self.fleet is not None:
                 self.fleet.finished(self, t, done)
-            _best, verdicts = standings(self.camp, self.done_entries(), min_gain(self.camp, self.done_entries())[0])
+            verdicts = self._verdicts_now()
             left = None if self.camp.max_trials is None else max(0, self.camp.max_trials - k)
             self.phase(t, k, "done", f"{self.done_text(done, verdicts)} · elapsed {_clock(self.clock.elapsed())} · "
                                      + (self.clock.eta(left) if left is not None else "until max_wall_time"))
@@ -684,6 +688,15 @@ class Runner:
     def _study_lock(self):
         return self.fleet.lock if self.fleet is not None else contextlib.nullcontext()
 
+    def _verdicts_now(self) -> dict[str, str]:
+        """Each finished trial's verdict for its done line: the campaign's standings (a fleet with
+        max_repeats: the fleet's, against the fleet's incumbent, as its table shows them)."""
+        if self.fleet is not None and self.camp.sequential:
+            host = self.hs.host.name
+            return {tid: v for (h, tid), v in fleet_winner(self.camp, self.fleet.done_by_host())[1].items() if h == host}
+        done = self.done_entries()
+        return standings(self.camp, done, min_gain(self.camp, done)[0])[1]
+
     def _done_of(self, tid: str) -> dict | None:
         return next((e for e in self.done_entries() if e["trial"] == tid), None)
 
@@ -734,7 +747,7 @@ class Runner:
                     return self._merge(parts), None, seconds, {"level": levels[0], "violations": bad, "reason": reason}
         seconds = time.monotonic() - b0
         result = self._merge(parts)
-        self.phase(t, k, "bench", self._bench_text(result, None, seconds))
+        self.phase(t, k, "bench", self._bench_text(t.id, result, None, seconds))
         return result, None, seconds, None
 
     def _merge(self, parts: list[dict]) -> dict:
@@ -819,15 +832,22 @@ class Runner:
                 result, why = None, str(exc)
         seconds = time.monotonic() - b0
         if label is not None:
-            self.phase(t, k, label, self._bench_text(result, why, seconds))
+            self.phase(t, k, label, self._bench_text(t.id, result, why, seconds))
         return result, why, seconds
 
-    def _bench_text(self, result: dict | None, why: str | None, seconds: float) -> str:
+    def _value(self, tid: str, result: dict) -> float | None:
+        """The objective of one bench of trial `tid` (with start-up as a cost: at the start-up its
+        deploy in the campaign measured)."""
+        if tid not in self.starts:
+            self.starts[tid] = (self._done_anywhere(tid) or {}).get("start") or {}
+        return self.camp.objective.value(result, self.starts[tid])
+
+    def _bench_text(self, tid: str, result: dict | None, why: str | None, seconds: float) -> str:
         if result is None:
             return f"failed after {seconds:.1f}s: {why}"
         lv = next((l for l in result["levels"] if l["concurrency"] == self.camp.objective.level), {})
         runs = lv.get("repeats") or 1
-        value = objective_text(self.camp, self.camp.objective.value(result),
+        value = objective_text(self.camp, self._value(tid, result),
                                (lv.get("ci95") or {}).get(self.camp.objective.metric))
         return (f"{value} ({runs} run{'s' if runs > 1 else ''}; {sum(l['completed'] for l in result['levels'])} "
                 f"requests ok, {sum(l['failed'] for l in result['levels'])} failed, in {seconds:.1f}s)")
@@ -843,7 +863,7 @@ class Runner:
             band = (ci[1] - ci[0]) / 2 / abs(value)
             return {"band": band, "how": f"the 95% interval of the base's {lv.get('repeats')} runs: ±{band * 100:.1f}%"}
         again, why, _s = self._bench(t, k, None)
-        second = again and self.camp.objective.value(again)
+        second = again and self._value(t.id, again)
         if not second:
             self.phase(t, k, "noise", f"benched again: {why or 'no objective measured'}; min_gain "
                                       f"{DEFAULT_MIN_GAIN * 100:g}%")
@@ -859,23 +879,18 @@ class Runner:
         incumbent is unsure and could matter, up to max_repeats runs (servops.verdict.next_step);
         the first feasible trial (the base) twice, to measure the campaign's noise."""
         done = self.done_entries()
-        incumbent, _v = standings(self.camp, done, 0.0)
-        others = trial_runs(done)
         runs, level = [first], self.camp.confidence
         while True:
-            noise = verdict.pooled_noise(dict(others, **{t.id: runs}))
-            if incumbent is None:
-                again = len(runs) < 2
-                why = ("the first feasible trial: benched again to measure the noise" if again else
-                       f"the campaign's noise: {noise.how}" if noise else "no noise measured")
+            if self.fleet is not None:  # against the fleet's incumbent, relative to each host's base
+                again, why, noise = fleet_repeat_decision(self.camp, self.fleet.done_by_host(), self.hs.host.name,
+                                                          t.id, runs)
             else:
-                again, why = verdict.next_step(others[incumbent["trial"]], runs, noise, self.camp.objective.sense,
-                                               self.camp.max_repeats, self.camp.min_gain or 0.0, level)
+                again, why, noise = repeat_decision(self.camp, done, t.id, runs)
             if not again:
                 break
             self.phase(t, k, "repeat", why)
             result, failed, _s = self._bench(t, k, None)
-            value = result and self.camp.objective.value(result)
+            value = result and self._value(t.id, result)
             if value is None:
                 why = f"a repeat failed ({failed or 'no objective measured'}): {len(runs)} run(s) kept"
                 break
@@ -892,6 +907,7 @@ class Runner:
         if self.warm_from.get(t.id):
             base["warm_from"] = self.warm_from[t.id]
         record, deploy_s = self._deploy(t, k, base, state)
+        self.starts[t.id] = record.get("start") or {}
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
         if record.get("start"):
             done["start"] = record["start"]
@@ -1000,52 +1016,58 @@ class Runner:
         below the leader) are deployed again and benched once more each, round by round
         (verdict.final_rounds); the winner is then the one with the best lower bound."""
         done, rebenched = self.done_entries(), rebench_runs(entries)
-        rounds = verdict.final_rounds(self.camp.rebench_top)
+        rounds = len(verdict.final_rounds(self.camp.rebench_top))
         first = 1 + max((e.get("round") or 0 for e in entries if e.get("phase") == "rebench"), default=0)
         why = "every round ran"
-        for r in range(first, len(rounds) + 1):
-            runs = trial_runs(done, rebenched)
-            names = verdict.finalists(runs, verdict.pooled_noise(runs), self.camp.objective.sense, rounds[r - 1],
-                                      self.camp.confidence)
-            if len(names) < 2:
-                why = ("one finalist left: the others are separated below it" if len(runs) > 1
-                       else "fewer than two feasible trials")
+        for r in range(first, rounds + 1):
+            names, why = rebench_finalists(self.camp, trial_runs(done, rebenched), r)
+            if not names:
                 break
+            why = why or "every round ran"
             for tid in names:
-                trial = next((x for x in self.trials + self.search_trials if x.id == tid), None)
-                if trial is None:
+                value = self.rebench_one(tid, r, rounds)
+                if value is None:
                     continue
-                with held_back(self.verbose, f"re-bench round {r}: deploying {tid} again"):
-                    try:
-                        record = self._switch_to(tid, trial)
-                    except ServopsError as exc:
-                        record = {"state": "failed", "reason": str(exc)}
-                if record.get("state") != "healthy":
-                    self.journal.write({"phase": "rebench", "trial": tid, "round": r, "outcome": record.get("state"),
-                                        "release": record.get("release"), "reason": record.get("reason")})
-                    self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)}: "
-                             f"{record.get('state')}: {record.get('reason')}")
-                    continue
-                result, failed, _s = self._bench(trial, r, None)
-                value = result and self.camp.objective.value(result)
-                self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
-                                    "outcome": "measured" if value is not None else "bench-failed",
-                                    "runs": [] if value is None else [value],
-                                    "result_path": result and result["path"], "reason": failed})
-                if value is not None:
-                    rebenched.setdefault(tid, []).append(value)
+                rebenched.setdefault(tid, []).append(value)
                 all_runs = trial_runs(done, rebenched)
                 m, lo, hi = verdict.interval(all_runs[tid], verdict.pooled_noise(all_runs), self.camp.confidence)
-                self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{len(rounds)} of {len(names)}: "
-                         + (f"{self.camp.objective.written} = {num(value)}; now {num(m)} [{num(lo)}, {num(hi)}] over "
-                            f"{len(all_runs[tid])} runs" if value is not None else f"bench failed: {failed}"))
-                if interrupt.requested():
-                    raise TuneError(f"interrupted in the re-bench; continue with invoke tune {self.camp.name} "
-                                    f"-H {self.hs.host.name} --resume")
+                self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{rounds} of {len(names)}: "
+                         f"{self.camp.objective.written} = {num(value)}; now {num(m)} [{num(lo)}, {num(hi)}] over "
+                         f"{len(all_runs[tid])} runs")
         self.journal.write({"phase": "rebench", "outcome": "finished", "reason": why})
         winner = standings(self.camp, done, 0.0, rebenched)[0]
         self.phase(None, 0, "rebench", f"{why}; the winner, by the best lower bound: "
                                        f"{winner['trial'] if winner else 'none'}")
+
+    def rebench_one(self, tid: str, r: int, rounds: int) -> float | None:
+        """Re-bench round `r` of trial `tid`: deployed again, benched once, logged (phase rebench).
+        Its value, or None (it did not come up healthy or its bench failed: said and logged)."""
+        trial = next((x for x in self.trials + self.search_trials if x.id == tid), None)
+        if trial is None:
+            return None
+        with held_back(self.verbose, f"re-bench round {r}: deploying {tid} again"):
+            try:
+                record = self._switch_to(tid, trial)
+            except ServopsError as exc:
+                record = {"state": "failed", "reason": str(exc)}
+        value, failed = None, f"{record.get('state')}: {record.get('reason')}"
+        if record.get("state") == "healthy":
+            result, failed, _s = self._bench(trial, r, None)
+            value = result and self._value(tid, result)
+            self.journal.write({"phase": "rebench", "trial": tid, "round": r, "release": record.get("release"),
+                                "outcome": "measured" if value is not None else "bench-failed",
+                                "runs": [] if value is None else [value],
+                                "result_path": result and result["path"], "reason": failed})
+            failed = f"bench failed: {failed}"
+        else:
+            self.journal.write({"phase": "rebench", "trial": tid, "round": r, "outcome": record.get("state"),
+                                "release": record.get("release"), "reason": record.get("reason")})
+        if value is None:
+            self.say(f"{'':<7} {tid:<{self.id_width}} {'rebench':<8} round {r}/{rounds}: {failed}")
+        if interrupt.requested():
+            raise TuneError(f"interrupted in the re-bench; continue with invoke tune {self.camp.name} "
+                            f"-H {self._hosts_flag()} --resume")
+        return value
 
     def _switch_to(self, tid: str, trial: Trial) -> dict:
         """Trial `tid` deployed: its earlier release switched back to when it is still on the host
@@ -1079,7 +1101,7 @@ class Runner:
             self.journal.write({"phase": "drift", "outcome": "bench failed", "reason": why})
             self.phase(None, 0, "drift", f"the base's bench failed: {why}")
             return
-        before, now = base.get("objective"), self.camp.objective.value(result)
+        before, now = base.get("objective"), self._value("base", result)
         drift = None if not before or now is None else (now - before) / before * 100.0
         self.journal.write({"phase": "drift", "outcome": "measured", "release": record.get("release"),
                             "result_path": result["path"], "before": before, "after": now,

@@ -24,10 +24,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from . import hostfacts, interrupt, localfiles, releases, threadout
+from . import hostfacts, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial
-from .campaignrecord import TuneError, fleet_dir, fleet_winner, log_path, read_log, trial_states
+from .campaignrecord import (TuneError, fleet_dir, fleet_runs, fleet_winner, log_path, read_log, rebench_finalists,
+                             rebench_runs, trial_states)
 from .errors import ServopsError, TransportError
+from .gate import num
 from .output import CHANGED, FAILED, OK, Failed, Recap, console, err_console
 from .tune import Runner
 from .tunereport import print_fleet_summary
@@ -214,6 +216,10 @@ class Fleet:
             except Exception as exc:  # already told: nothing left to mark
                 err_console.print(f"tune: {host}: study trial #{ot.number}: {exc}", markup=False)
 
+    def rebenched(self) -> dict[str, dict[str, list[float]]]:
+        """Each host's end re-bench runs, by trial."""
+        return {n: rebench_runs(read_log(r.path)) for n, r in self.runners.items()}
+
     def done_by_host(self) -> dict[str, list[dict]]:
         return {h: r.done_entries() for h, r in self.runners.items()}
 
@@ -303,8 +309,10 @@ def run_fleet(inv, hosts: list, camp: Campaign, resume: bool = False, verbose: b
         with threadout.threads():
             _threads(lambda n: _work(fleet, fleet.runners[n]), names)
             alive = [n for n in names if n not in fleet.dropped]
+            if camp.sequential and not interrupt.requested():
+                _rebench(fleet, alive)
             done_by_host = fleet.done_by_host()
-            winner, verdicts, gain, how = fleet_winner(camp, done_by_host)
+            winner, verdicts, gain, how = fleet_winner(camp, done_by_host, fleet.rebenched())
             trial = fleet.trials.get(winner["trial"]) if winner else None
             for batch in batches(alive, serial):
                 if interrupt.requested():
@@ -344,6 +352,49 @@ def _work(fleet: Fleet, runner: Runner) -> None:
             return
         fleet.drop(runner, str(exc))
         runner.say(f"tune: {runner.hs.host.name} dropped out of the campaign: {exc}; the others go on")
+
+
+def _rebench(fleet: Fleet, alive: list[str]) -> None:
+    """max_repeats >= 2: the fleet's end re-bench, as one host's (tune.Runner._rebench): the
+    finalists across the fleet (fleet_runs: each relative to its own host's base) deployed again
+    on the host that ran them and benched once more a round, the hosts at once; each host's log
+    says when it ended (a --resume goes on from the next round)."""
+    camp = fleet.camp
+    logs = {n: read_log(fleet.runners[n].path) for n in alive}
+    if not alive or any(e.get("phase") == "rebench" and e.get("outcome") == "finished"
+                        for entries in logs.values() for e in entries):
+        return
+    rounds = len(verdict.final_rounds(camp.rebench_top))
+    first = 1 + max((e.get("round") or 0 for entries in logs.values() for e in entries
+                     if e.get("phase") == "rebench"), default=0)
+    why = "every round ran"
+    for r in range(first, rounds + 1):
+        names, why = rebench_finalists(camp, fleet_runs(fleet.done_by_host(), fleet.rebenched()), r)
+        keys = [k for k in names if k[0] in alive]
+        if len(keys) < 2:
+            why = why or "the other finalists' hosts dropped out"
+            break
+        why = "every round ran"
+
+        def host_part(host: str) -> None:
+            runner = fleet.runners[host]
+            for h, tid in keys:
+                value = runner.rebench_one(tid, r, rounds) if h == host else None
+                if value is not None:
+                    now = fleet_runs(fleet.done_by_host(), fleet.rebenched())
+                    m, lo, hi = verdict.interval(now[(h, tid)], verdict.pooled_noise(now), camp.confidence)
+                    runner.say(f"{'':<7} {tid:<{runner.id_width}} {'rebench':<8} round {r}/{rounds} of {len(keys)}: "
+                               f"{camp.objective.written} = {num(value)}; now {m:.3f}x its host's base "
+                               f"[{lo:.3f}, {hi:.3f}] over {len(now[(h, tid)])} runs")
+
+        _threads(host_part, sorted({h for h, _t in keys}))
+        if interrupt.requested():
+            return
+    for n in alive:
+        fleet.runners[n].journal.write({"phase": "rebench", "outcome": "finished", "reason": why})
+    winner = fleet_winner(camp, fleet.done_by_host(), fleet.rebenched())[0]
+    fleet.runners[alive[0]].phase(None, 0, "rebench", f"{why}; the winner, by the best lower bound: "
+                                                     f"{winner['trial'] + '@' + winner['host'] if winner else 'none'}")
 
 
 def _leave(runner: Runner, winner: dict | None, trial: Trial | None) -> None:

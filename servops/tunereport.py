@@ -22,8 +22,8 @@ from pathlib import Path
 
 from . import verdict
 from .campaign import Campaign
-from .campaignrecord import (diagnosis_line, fleet_dir, fleet_winner, log_path, min_gain, read_log, rebench_runs,
-                             standings, start_text, trial_runs, trial_states)
+from .campaignrecord import (diagnosis_line, fleet_dir, fleet_runs, fleet_winner, log_path, min_gain, read_log,
+                             rebench_runs, standings, start_text, trial_runs, trial_states)
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
 
@@ -188,17 +188,22 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
     """A fleet campaign's report data: every host's rows (collect), each with its `host`; the
     verdicts and the winner the fleet's (each objective relative to its own host's base); each
     host's base row named base@host."""
-    datas, done_by_host = {}, {}
+    datas, done_by_host, rebenched_by_host = {}, {}, {}
     for h in hosts:
         try:
             datas[h] = collect(h, camp)
         except FileNotFoundError:
             continue
-        done_by_host[h] = [s.done for s in trial_states(read_log(log_path(h, camp.name))).values() if s.done]
+        entries = read_log(log_path(h, camp.name))
+        done_by_host[h] = [s.done for s in trial_states(entries).values() if s.done]
+        rebenched_by_host[h] = rebench_runs(entries)
     if not datas:
         raise FileNotFoundError(f"no trials for campaign {camp.name} on {', '.join(hosts)} (run invoke tune "
                                 f"{camp.name} -H {','.join(hosts)} first)")
-    best, verdicts, gain, how = fleet_winner(camp, done_by_host)
+    best, verdicts, gain, how = fleet_winner(camp, done_by_host, rebenched_by_host)
+    # a sequential campaign: every interval on the fleet's noise (pooled over all hosts' runs, each
+    # relative to its own host's base), so the rows compare as the verdicts did
+    noise = verdict.pooled_noise(fleet_runs(done_by_host, rebenched_by_host)) if camp.sequential else None
     rows, winner, base = [], None, None
     for h, data in datas.items():
         for r in data["rows"]:
@@ -208,6 +213,10 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
             mine = best is not None and best["host"] == h and best["trial"] == r["trial"].split("@")[0]
             if r["outcome"] == "ok":
                 r["verdict"] = ("WINNER; " if mine else "") + verdicts.get((h, r["trial"].split("@")[0]), "")
+            runs = trial_runs(done_by_host[h], rebenched_by_host[h]).get(r["trial"].split("@")[0])
+            if noise and runs:
+                m, lo, hi = verdict.interval(runs, noise, camp.confidence)
+                r.update(objective=m, objective_ci=[lo, hi])
             if mine:
                 winner = r
             rows.append(r)
@@ -222,6 +231,7 @@ def collect_fleet(hosts: list[str], camp: Campaign) -> dict:
     return {"campaign": camp, "host": ", ".join(datas), "rows": rows, "winner": winner, "base": base,
             "drift": None, "leave": first["leave"], "log": fleet_dir(camp.name) / "fleet.json",
             "problems": [p for d in datas.values() for p in d["problems"]], "min_gain": gain, "min_gain_how": how,
+            "noise": noise, "rebench": [dict(e, host=h) for h, d in datas.items() for e in d["rebench"]],
             "fleet": True, "drifts": {h: d["drift"] for h, d in datas.items() if d["drift"]}}
 
 
@@ -230,13 +240,15 @@ def print_fleet_summary(hosts: list[str], camp: Campaign) -> None:
     from .output import print_table, table
 
     data = collect_fleet(hosts, camp)
+    runs = ["runs (why repeating stopped)"] if camp.sequential else []
     t = table(f"fleet {', '.join(hosts)}: campaign {camp.name}: {camp.objective.sense} {camp.objective.written} "
-              f"(vs base: its own host's base), min_gain {data['min_gain'] * 100:.1f}% ({data['min_gain_how']})",
-              ["host", "trial", "changed vs base", camp.objective.written, "vs base", "constraints", "verdict"])
+              f"(vs base: its own host's base), {rule_text(data)}",
+              ["host", "trial", "changed vs base", camp.objective.written, "vs base", "constraints"] + runs
+              + ["verdict"])
     for r in data["rows"]:
         changes = r["flags"] + [f"+ patch {p}" for p in r.get("added_patches") or []]
         t.add_row(r["host"], r["trial"], "\n".join(changes) or "(same as base)", objective_cell(r), vs_base(r),
-                  constraints_met(r), r["verdict"])
+                  constraints_met(r), *([runs_cell(r)] if runs else []), r["verdict"])
     print_table(t)
 
 
@@ -369,7 +381,7 @@ def repeat_lines(data: dict) -> list[str]:
     out = [f"{r['trial']}: {objective_cell(r)}; {runs_cell(r)}" for r in data["rows"] if r.get("runs")]
     for e in data.get("rebench") or []:
         if e.get("trial"):
-            out.append(f"re-bench round {e.get('round')}: {e['trial']}: "
+            out.append(f"re-bench round {e.get('round')}: {e['trial']}{'@' + e['host'] if e.get('host') else ''}: "
                        + (fmt(e["runs"][0]) if e.get("runs") else f"{e.get('outcome')}: {e.get('reason') or ''}"))
         elif e.get("outcome") == "finished":
             out.append(f"re-bench ended: {e.get('reason')}")

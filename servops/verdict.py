@@ -48,8 +48,9 @@ class Noise:
         return t_quantile(level, self.df)
 
 
-def pooled_noise(runs: dict[str, list[float]]) -> Noise | None:
-    """The pooled relative standard deviation of the trials benched more than once (None: none was)."""
+def pooled_noise(runs: dict) -> Noise | None:
+    """The pooled relative standard deviation of the trials benched more than once (None: none was);
+    a key is a trial, or a fleet's (host, trial)."""
     ss, df, names = 0.0, 0, []
     for name, values in runs.items():
         values = [v for v in values if v]
@@ -58,7 +59,7 @@ def pooled_noise(runs: dict[str, list[float]]) -> Noise | None:
         m = math.fsum(values) / len(values)
         ss += math.fsum(((v - m) / m) ** 2 for v in values)
         df += len(values) - 1
-        names.append(f"{name} x{len(values)}")
+        names.append(f"{name[1]}@{name[0]} x{len(values)}" if isinstance(name, tuple) else f"{name} x{len(values)}")
     if df == 0:
         return None
     sd = math.sqrt(ss / df)

@@ -204,3 +204,103 @@ def test_warm_start_asks_an_earlier_campaigns_best_first_and_says_where_from(noi
     res = run_invoke("tune", "g", "--warm-start", inventory=inv, env=env)
     assert res.returncode == 2 and "--warm-start: campaign g is a grid" in res.stderr
     assert not (results / "lab1" / "campaigns" / "g").exists()
+
+
+FLEET_SEQUENTIAL = """base: noisy
+candidates:
+  - name: g
+    grid: {server_args: {cuda-graph-max-bs: [8, 16, 32]}}
+bench: {levels: [16], requests: 16, input_len: 16, output_len: 12, warmup: 1}
+objective: {maximize: output_tps@16, constraints: ["failed == 0"], max_repeats: 3, rebench_top: 2}
+leave: best
+"""
+
+
+def test_a_fleet_campaign_repeats_rebenches_and_shows_intervals_as_one_host_does(lab, tmp_path):
+    hosts = ("lab1", "lab2")
+    inv = lab.inventory(n_hosts=2, host_vars={h: {"server_port": free_port(), "lease_timeout": 60} for h in hosts})
+    (tmp_path / "camps").mkdir()
+    (tmp_path / "camps" / "fseq.yml").write_text(FLEET_SEQUENTIAL)
+    results = tmp_path / "results"
+    env = {"SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, noisy=NOISY % "")), "SERVOPS_RESULTS": str(results),
+           "SERVOPS_CAMPAIGNS": str(tmp_path / "camps")}
+    try:
+        res = run_invoke("tune", "fseq", "-H", ",".join(hosts), inventory=inv, env=env, timeout=900)
+        assert res.returncode == 0, res.stdout + res.stderr
+        logs = {h: [json.loads(l) for l in (results / h / "campaigns" / "fseq" / "trials.jsonl").read_text()
+                    .splitlines()] for h in hosts}
+        done_by_host = {h: [e for e in logs[h] if e.get("phase") == "done"] for h in hosts}
+        for h in hosts:  # each host's base twice (the noise); every trial at most max_repeats runs, its mean
+            base = next(d for d in done_by_host[h] if d["trial"] == "base")
+            assert len(base["runs"]) == 2 and "the campaign's noise" in base["repeat_stop"]
+            for d in done_by_host[h]:
+                assert d["outcome"] == "ok" and 1 <= len(d["runs"]) <= 3 and d["repeat_stop"]
+                assert d["objective"] == pytest.approx(statistics.fmean(d["runs"]))
+        # the fleet's end re-bench ended on every host alike, and its winner is fleet_winner's on the logs
+        ends = [[e for e in logs[h] if e.get("phase") == "rebench"][-1] for h in hosts]
+        assert all(e["outcome"] == "finished" for e in ends) and ends[0]["reason"] == ends[1]["reason"]
+        rebenched = {h: campaignrecord.rebench_runs(logs[h]) for h in hosts}
+        assert any(rebenched.values()) or ends[0]["reason"].startswith("one finalist left"), ends
+        (tmp_path / "camps" / "same.yml").write_text(FLEET_SEQUENTIAL.replace("base: noisy", "base: baseline"))
+        camp = load_campaign(str(tmp_path / "camps" / "same.yml"))  # its objective, here
+        winner, verdicts, _g, how = campaignrecord.fleet_winner(camp, done_by_host, rebenched)
+        runs_all = campaignrecord.fleet_runs(done_by_host, rebenched)
+        assert f"winner {winner['trial']} (ran on {winner['host']})" in res.stdout, res.stdout
+        if any(rebenched.values()):  # the finalist with the best lower bound, on the fleet's relative runs
+            finals = {(h, t): runs_all[(h, t)] for h in hosts for t in rebenched[h]}
+            assert verdict.choose(finals, verdict.pooled_noise(runs_all), "maximize", camp.confidence) == \
+                (winner["host"], winner["trial"])
+            assert any(" rebench " in l and "x its host's base [" in l for l in res.stdout.splitlines())
+        # the console and the report: the fleet's noise, every interval, runs and why repeating stopped
+        assert "80% intervals, noise" in res.stdout and how.startswith(f"{verdict.pooled_noise(runs_all).sd * 100:.1f}% per run")
+        assert "runs (why repeating stopped)" in res.stdout
+        for h in hosts:  # each done line: the fleet's verdict as it stood then (against the fleet's incumbent)
+            for d in done_by_host[h]:
+                line = next(l for l in res.stdout.splitlines() if l.startswith(f"{h} [") and f" {d['trial']} " in l
+                            and " done " in l)
+                assert "first feasible trial" in line or "@lab" in line, line
+        rep = run_invoke("tune.report", "fseq", "-H", ",".join(hosts), inventory=inv, env=env)
+        assert rep.returncode == 0, rep.stdout + rep.stderr
+        md = (results / "_fleet" / "fseq" / "report.md").read_text()
+        assert "- verdicts: 80% intervals, noise" in md and "## Repeats and the end re-bench" in md
+        assert "re-bench ended:" in md
+        for h in hosts:
+            base = next(d for d in done_by_host[h] if d["trial"] == "base")
+            assert f"| {h} | base@{h} |" in md and f"({len(base['runs'])} runs) |" in md
+    finally:
+        run_invoke("stop", "--grace", "2", "--break-lock", "-H", "all", inventory=inv)
+
+
+START_COST = """base: noisy
+candidates:
+  - name: big
+    server_args: {cuda-graph-max-bs: 256}     # 36 batch sizes captured: the slowest start
+bench: {levels: [16], requests: 16, input_len: 16, output_len: 12, warmup: 1}
+objective: {maximize: output_tps@16, constraints: ["failed == 0"], starts_per_day: 1440}
+leave: base
+"""
+
+
+def test_start_up_as_a_cost_in_the_objective_and_a_bad_spec_changes_nothing(noisy_lab):
+    lab, inv, env_for, camps, results = noisy_lab
+    env = env_for()
+    (camps / "broken.yml").write_text(START_COST.replace("maximize: output_tps@16", "minimize: p99_ttft_ms@16"))
+    res = run_invoke("tune", "broken", inventory=inv, env=env)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stdout + res.stderr
+    assert "broken.yml: objective.starts_per_day: weighs start-up against a rate served" in res.stderr
+    assert not lab.tmp.joinpath("deploy-lab1").exists()
+    (camps / "cost.yml").write_text(START_COST)
+    res = run_invoke("tune", "cost", inventory=inv, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    done = {e["trial"]: e for e in log_of(results, "cost") if e.get("phase") == "done"}
+    assert {t: d["outcome"] for t, d in done.items()} == {"base": "ok", "big": "ok"}
+    for d in done.values():  # 1440 starts a day: each start-up second is 1/60 of the day's serving lost
+        raw = d["metrics"]["16"]["output_tps"]
+        assert d["objective"] == pytest.approx(raw * (1 - d["start"]["start_s"] / 60.0), rel=1e-6)
+    assert "maximize output_tps@16 net of 1440 starts/day" in res.stdout
+    head = next(e for e in log_of(results, "cost") if e.get("phase") == "campaign")
+    assert head["objective"] == "output_tps@16 net of 1440 starts/day"
+    rep = run_invoke("tune.report", "cost", inventory=inv, env=env)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    md = (results / "lab1" / "campaigns" / "cost" / "report.md").read_text()
+    assert "- objective: maximize `output_tps@16 net of 1440 starts/day`" in md and "start to healthy" in md

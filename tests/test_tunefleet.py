@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, one_line_error, playbooks_with, run_invoke
-from servops import campaignrecord, hostfacts, tunefleet
+from servops import campaignrecord, hostfacts, tunefleet, verdict
 from servops.campaign import load_campaign
 from servops.lab.sshd import free_port, make_server
 from servops.remote import procs
@@ -83,6 +83,46 @@ def test_the_fleets_winner_is_measured_against_each_hosts_own_base(tmp_path):
     assert tunefleet.batches(["a", "b", "c"], 2) == [["a", "b"], ["c"]] and tunefleet.batches(["a", "b"], None) == [["a", "b"]]
     assert tunefleet.point_key({"x": 1}, "{}", ["p", "q"]) == tunefleet.point_key({"x": 1}, "{}", ["q", "p"])
     assert tunefleet.point_key({"x": 1}, "{}", []) != tunefleet.point_key({"x": 2}, "{}", [])
+
+
+def test_a_sequential_fleet_compares_intervals_relative_to_each_hosts_base(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("base: baseline\nbench: {levels: [16]}\n"
+                    "objective: {maximize: output_tps@16, max_repeats: 3, confidence: 80%}\n")
+    camp = load_campaign(str(path))
+    done = {  # gpu2 runs at half gpu1's speed; each trial's runs as tune records them
+        "gpu1": [{"trial": "base", "outcome": "ok", "objective": 1000.0, "runs": [990.0, 1010.0], "at": "1"},
+                 {"trial": "s001", "outcome": "ok", "objective": 1030.0, "runs": [1020.0, 1040.0], "at": "3"}],
+        "gpu2": [{"trial": "base", "outcome": "ok", "objective": 500.0, "runs": [505.0, 495.0], "at": "2"},
+                 {"trial": "s002", "outcome": "ok", "objective": 600.0, "runs": [600.0], "at": "4"},
+                 {"trial": "s003", "outcome": "ok", "objective": 505.0, "runs": [505.0, 500.0, 510.0], "at": "5"}],
+    }
+    runs = campaignrecord.fleet_runs(done, {})
+    assert list(runs) == [("gpu1", "base"), ("gpu2", "base"), ("gpu1", "s001"), ("gpu2", "s002"), ("gpu2", "s003")]
+    assert runs[("gpu2", "s002")] == [pytest.approx(1.2)] and runs[("gpu1", "s001")] == [1.02, 1.04]
+    noise = verdict.pooled_noise(runs)
+    assert noise.df == 1 + 1 + 1 + 2  # every key benched more than once, whichever host
+    winner, verdicts, gain, how = campaignrecord.fleet_winner(camp, done)
+    assert (winner["host"], winner["trial"]) == ("gpu2", "s002") and gain == 0.0 and how == noise.how
+    assert verdicts[("gpu2", "s002")].startswith("better: +16.5% [") and "vs s001@gpu1: the new best" in \
+        verdicts[("gpu2", "s002")]
+    assert verdicts[("gpu2", "s003")].startswith("worse: ") and verdicts[("gpu2", "s003")].endswith("vs s002@gpu2")
+    # the end re-bench: the finalists' runs join theirs; the winner is the best lower bound of the finalists
+    rebenched = {"gpu1": {"s001": [1300.0, 1290.0]}, "gpu2": {"s002": [560.0]}}
+    winner, verdicts, _g, _h = campaignrecord.fleet_winner(camp, done, rebenched)
+    finals = campaignrecord.fleet_runs(done, rebenched)
+    lows = {k: verdict.lower_bound(finals[k], verdict.pooled_noise(finals)) for k in (("gpu1", "s001"), ("gpu2", "s002"))}
+    assert (winner["host"], winner["trial"]) == max(lows, key=lows.get)
+    assert "re-benched: " in verdicts[("gpu1", "s001")] and "over 4 runs" in verdicts[("gpu1", "s001")]
+    # repeats against the fleet's incumbent, relative to the trial's own host's base
+    again, why, _n = campaignrecord.fleet_repeat_decision(camp, done, "gpu3", "base", [700.0])
+    assert again and why == "the first feasible trial: benched again to measure the noise"
+    again, why, _n = campaignrecord.fleet_repeat_decision(camp, done, "gpu1", "s004", [1300.0])
+    assert not again and why.startswith("better: ") and why.endswith("the intervals separate")
+    again, why, _n = campaignrecord.fleet_repeat_decision(camp, done, "gpu2", "s004", [600.0])
+    assert again and why.startswith("unsure: ") and why.endswith("(1 run vs 1): benching again")
+    again, why, _n = campaignrecord.fleet_repeat_decision(camp, done, "gpu2", "s004", [600.0, 590.0, 605.0])
+    assert not again and "max_repeats 3" in why
 
 
 # -- over real sshd hosts -------------------------------------------------------------------------------

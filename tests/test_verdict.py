@@ -159,3 +159,24 @@ def test_warm_start_takes_earlier_best_points_of_the_same_engine_version_model_a
                                                   ("server_args", "mem-fraction-static"): 0.85}
     assert search.params_of(spaces, {"server_args": {"cuda-graph-max-bs": 12, "mem-fraction-static": 0.85}}) is None
     assert search.params_of(spaces, {"server_args": {"cuda-graph-max-bs": 16, "mem-fraction-static": 0.95}}) is None
+
+
+def test_start_up_weighs_on_the_objective_as_a_cost_and_a_bad_spec_is_one_line(tmp_path):
+    camp = campaign(tmp_path, ", starts_per_day: 48")
+    o = camp.objective
+    assert o.starts_per_day == 48 and o.written == "output_tps@16 net of 48 starts/day"
+    result = {"levels": [{"concurrency": 16, "output_tps": 1000.0}]}
+    # 48 starts of 900 s: half the day served (a start not timed costs nothing)
+    assert o.value(result, {"start_s": 900.0}) == pytest.approx(500.0)
+    assert o.value(result, {"start_s": 1800.0}) == 0.0 and o.value(result) == 1000.0
+    assert campaign(tmp_path, "").objective.value(result, {"start_s": 900.0}) == 1000.0
+    for spec, want in ((", starts_per_day: 0", "objective.starts_per_day: "),
+                       (", starts_per_day: four", "objective.starts_per_day: "),
+                       (", starts_per_day: 2000", "objective.starts_per_day: ")):
+        with pytest.raises(Exception, match=want):
+            campaign(tmp_path, spec)
+    path = tmp_path / "c.yml"
+    path.write_text("base: baseline\nbench: {levels: [16]}\nobjective: {minimize: p99_ttft_ms@16, starts_per_day: 4}\n")
+    with pytest.raises(Exception, match="objective.starts_per_day: weighs start-up against a rate served .*not "
+                                        "minimize: p99_ttft_ms@16"):
+        load_campaign(str(path))
