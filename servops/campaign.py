@@ -20,6 +20,8 @@
                                           # then re-bench the top few and choose by the interval's lower bound
       confidence: 80%                     # the intervals' level (default 80%)
       rebench_top: 3                      # how many finalists the end re-bench takes (default 3)
+      repeat_by: restart                  # each repeat on a fresh start of the trial's release, so the
+                                          # noise holds start-to-start variation (default rebench: same start)
       starts_per_day: 4                   # start-up as a cost: the objective x (1 - 4 * start_s / 86400)
     budget: {max_trials: 20, max_wall_time: 12h}
     auto_patch: true                      # a crash whose known issue names a patch: retry once with it
@@ -119,7 +121,8 @@ CAMPAIGN = {
         "maximize": Field("str"), "minimize": Field("str"), "constraints": Field("list", items=Field("str")),
         "min_gain": Field("any", check=_gain_ok), "max_repeats": Field("int", 1, MAX_REPEAT),
         "confidence": Field("any", check=_confidence_ok), "rebench_top": Field("int", 2, 10),
-        "starts_per_day": Field("number", low=0.001, high=1440)}),
+        "starts_per_day": Field("number", low=0.001, high=1440),
+        "repeat_by": Field("str", pattern=re.compile("rebench|restart"), what="rebench or restart")}),
     "budget": Field("record", fields={
         "max_trials": Field("int", 1, MAX_TRIALS),
         "max_wall_time": Field("any", check=parse_duration)}),
@@ -194,6 +197,7 @@ class Campaign:
     max_repeats: int = 1            # >= 2: sequential verdicts (servops.verdict); 1: one run per trial
     confidence: float = 0.8         # the intervals' level
     rebench_top: int = 3            # the finalists the end re-bench takes
+    repeat_by: str = "rebench"      # a repeat benches the running server again, or restarts it first
 
     @property
     def sequential(self) -> bool:
@@ -460,4 +464,5 @@ def load_campaign(name_or_path: str) -> Campaign:
                     start_constraints=start_conditions(data["objective"].get("constraints") or []),
                     max_repeats=data["objective"].get("max_repeats", 1),
                     confidence=parse_gain(data["objective"].get("confidence", 0.8)),
-                    rebench_top=data["objective"].get("rebench_top", 3))
+                    rebench_top=data["objective"].get("rebench_top", 3),
+                    repeat_by=data["objective"].get("repeat_by", "rebench"))

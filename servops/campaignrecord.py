@@ -286,6 +286,12 @@ def interval_verdicts(camp: Campaign, runs: dict, finals: set, name) -> tuple[ob
     return best, verdicts
 
 
+def repeat_text(camp: Campaign) -> str:
+    """What a campaign's repeats hold, so an interval is read for what it covers."""
+    return ("each repeat on a fresh start: the noise holds start-to-start variation" if camp.repeat_by == "restart"
+            else "repeats bench the same start: start-to-start variation is not in the noise")
+
+
 def objective_text(camp: Campaign, value: float | None, ci: list | None) -> str:
     """`output_tps@16 = 1,234 ±12` (the 95% interval's half-width, where repeats gave one)."""
     if value is None:

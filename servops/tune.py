@@ -35,11 +35,11 @@ from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_
                              fleet_winner, is_number, log_path, objective_text, read_log, rebench_finalists,
                              rebench_runs, repeat_decision, standings, start_text, trial_runs, trial_states)
 from .campaignrecord import done_entries as logged_done
-from .campaignrecord import min_gain
-from .deploy import deploy_group, preflight
+from .campaignrecord import min_gain, repeat_text
+from .deploy import deploy_group, preflight, restart_current
 from .errors import ServopsError
 from .gate import num
-from .output import console, err_console, is_tty, make_console
+from .output import CHANGED, console, err_console, is_tty, make_console
 from .provenance import git_sha, operator
 from .redact import redact_values, variant_secrets
 from .remote import jsonl
@@ -305,7 +305,8 @@ class Runner:
         fixed = "fixed " if self.study is not None else ""  # a search's points are preflighted as they are asked
         if self.camp.sequential:
             rule = (f"verdicts on {self.camp.confidence * 100:g}% intervals: a trial is benched again while unsure, "
-                    f"up to {self.camp.max_repeats} runs; the top {self.camp.rebench_top} re-benched at the end")
+                    f"up to {self.camp.max_repeats} runs ({repeat_text(self.camp)}); the top {self.camp.rebench_top} "
+                    f"re-benched at the end")
         else:
             rule = "min_gain: the base's noise (it is benched twice)" if later else f"min_gain {gain * 100:.1f}% ({how})"
         self.say(f"tune {self.camp.name} on {self.hs.host.name}: {len(self.trials)} {fixed}trial(s), every launch preflighted "
@@ -862,7 +863,8 @@ class Runner:
         if ci:
             band = (ci[1] - ci[0]) / 2 / abs(value)
             return {"band": band, "how": f"the 95% interval of the base's {lv.get('repeats')} runs: ±{band * 100:.1f}%"}
-        again, why, _s = self._bench(t, k, None)
+        failed = self._fresh_start(t, k)
+        again, why, _s = (None, failed, 0.0) if failed else self._bench(t, k, None)
         second = again and self._value(t.id, again)
         if not second:
             self.phase(t, k, "noise", f"benched again: {why or 'no objective measured'}; min_gain "
@@ -873,6 +875,23 @@ class Runner:
                                   f"differ by {band * 100:.1f}%: min_gain {band * 100:.1f}%")
         return {"band": band, "values": [value, second], "result_path": again["path"],
                 "how": f"two runs of the base: {num(value)} and {num(second)}, {band * 100:.1f}% apart"}
+
+    def _fresh_start(self, t: Trial, k: int) -> str | None:
+        """objective.repeat_by: restart: the trial's release is stopped and started again before a
+        repeat, so its runs differ by a start as two trials do (on a real GPU two benches of one
+        start can agree to 0.1% while starts differ by far more: bench/evidence/tune-h100/). None,
+        or why the restart failed (the restart has then rolled back, as `invoke restart` does)."""
+        if self.camp.repeat_by != "restart":
+            return None
+        t0 = time.monotonic()
+        try:
+            code, text = restart_current(self.hs, "restart")
+        except ServopsError as exc:
+            code, text = "failed", str(exc)
+        if code != CHANGED:
+            return f"the restart before the repeat failed: {text}"
+        self.phase(t, k, "restart", f"a fresh start for the repeat: {text} ({time.monotonic() - t0:.1f}s)")
+        return None
 
     def _repeats(self, t: Trial, k: int, first: float) -> dict:
         """max_repeats >= 2: the trial is benched again (no restart) while its verdict against the
@@ -889,7 +908,8 @@ class Runner:
             if not again:
                 break
             self.phase(t, k, "repeat", why)
-            result, failed, _s = self._bench(t, k, None)
+            failed = self._fresh_start(t, k)
+            result, failed, _s = (None, failed, 0.0) if failed else self._bench(t, k, None)
             value = result and self._value(t.id, result)
             if value is None:
                 why = f"a repeat failed ({failed or 'no objective measured'}): {len(runs)} run(s) kept"

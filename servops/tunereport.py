@@ -23,7 +23,7 @@ from pathlib import Path
 from . import verdict
 from .campaign import Campaign
 from .campaignrecord import (diagnosis_line, fleet_dir, fleet_runs, fleet_winner, log_path, min_gain, read_log,
-                             rebench_runs, standings, start_text, trial_runs, trial_states)
+                             rebench_runs, repeat_text, standings, start_text, trial_runs, trial_states)
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
 
@@ -393,7 +393,7 @@ def rule_text(data: dict) -> str:
     camp = data["campaign"]
     if camp.sequential:
         noise = data.get("noise")
-        return (f"{camp.confidence * 100:g}% intervals, noise {noise.how}" if noise else
+        return (f"{camp.confidence * 100:g}% intervals, noise {noise.how}; {repeat_text(camp)}" if noise else
                 f"{camp.confidence * 100:g}% intervals, no noise measured")
     return f"min_gain {data['min_gain'] * 100:.1f}% ({data['min_gain_how']})"
 

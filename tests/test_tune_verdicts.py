@@ -14,7 +14,7 @@ import pytest
 
 from conftest import playbooks_with, run_invoke
 from servops import campaignrecord, verdict
-from servops.campaign import load_campaign
+from servops.campaign import CampaignError, load_campaign
 from servops.lab.sshd import free_port
 
 # decode steps of 4 ms + 0.5 ms per running request, 3x slower above --cuda-graph-max-bs; each bench
@@ -304,3 +304,43 @@ def test_start_up_as_a_cost_in_the_objective_and_a_bad_spec_changes_nothing(nois
     assert rep.returncode == 0, rep.stdout + rep.stderr
     md = (results / "lab1" / "campaigns" / "cost" / "report.md").read_text()
     assert "- objective: maximize `output_tps@16 net of 1440 starts/day`" in md and "start to healthy" in md
+
+
+RESTARTED = """base: noisy
+candidates:
+  - name: g
+    grid: {server_args: {cuda-graph-max-bs: [16]}}
+bench: {levels: [16], requests: 16, input_len: 16, output_len: 12, warmup: 1}
+objective: {maximize: output_tps@16, max_repeats: 2, rebench_top: 2, repeat_by: restart}
+leave: best
+"""
+
+
+def test_repeat_by_restart_benches_each_repeat_on_a_fresh_start(noisy_lab):
+    """On a real H100 two benches of one start agreed to 0.1% (bench/evidence/tune-h100/), so a
+    noise measured on one start cannot see how starts differ: with repeat_by: restart every repeat
+    (the base's second run included) follows a restart of the trial's release, journaled on the
+    host as `invoke restart` is, and the console and the report say what the noise holds."""
+    lab, inv, env_for, camps, results = noisy_lab
+    env = env_for()
+    (camps / "restarted.yml").write_text(RESTARTED)
+    res = run_invoke("tune", "restarted", inventory=inv, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    done = {e["trial"]: e for e in log_of(results, "restarted") if e.get("phase") == "done"}
+    repeats = sum(len(d["runs"]) - 1 for d in done.values() if d.get("outcome") == "ok")
+    assert len(done["base"]["runs"]) == 2 and repeats >= 1, done
+    host_journal = [json.loads(l) for l in (lab.tmp / "deploy-lab1" / "journal.jsonl").read_text().splitlines()]
+    assert sum(e.get("action") == "restart.begin" for e in host_journal) == repeats, host_journal
+    assert res.stdout.count("a fresh start for the repeat") == repeats, res.stdout
+    assert "each repeat on a fresh start" in res.stdout
+    rep = run_invoke("tune.report", "restarted", inventory=inv, env=env)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    md = (results / "lab1" / "campaigns" / "restarted" / "report.md").read_text()
+    assert "each repeat on a fresh start: the noise holds start-to-start variation" in md
+
+
+def test_repeat_by_is_checked_before_anything_runs(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text(RESTARTED.replace("repeat_by: restart", "repeat_by: reboot"))
+    with pytest.raises(CampaignError, match=r"repeat_by.*rebench or restart"):
+        load_campaign(str(bad))
