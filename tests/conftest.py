@@ -138,6 +138,14 @@ def pytest_collection_modifyitems(config, items):
         group = parallel_group(item)
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
+    # xdist hands out the groups first (the largest first: --loadscope-reorder); the single tests
+    # follow in this order: those on the lab or a server first, the quick ones last, to fill the
+    # tail while the last lab tests finish (longest first).
+    items.sort(key=run_order)
+
+
+def run_order(item) -> int:
+    return 1 if item.get_closest_marker("quick") else 0
 
 
 def clear_stale_shell_lock() -> None:

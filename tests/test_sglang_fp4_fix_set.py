@@ -173,7 +173,7 @@ def _pip(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *argv], check=True, capture_output=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a directory under the cache's lock: the proofs need not share a worker
 def flashinfer_deps() -> Path:
     target = venvs.CACHE / "flashinfer-pure-deps"
     with venvs._BuildLock("flashinfer-pure-deps"):  # xdist workers share the cache
