@@ -1004,12 +1004,16 @@ def op_identity():
     """sha256 of a release's launch files (launch.sh, secrets.env, the server files) and whether
     its server runs and answers: what `deploy` compares to skip a pointless restart."""
     require_regular(JOURNAL)  # an unchanged deploy writes nothing, but a broken root is still named
-    name = ARGS.get("name") or current_name()
+    return release_identity(ARGS.get("name") or current_name(), ARGS.get("files") or [])
+
+
+def release_identity(name, files, script=False):
+    """A release's identity (see op_identity); `script`: its launch.sh text too (a --diff)."""
     if not name or not os.path.isdir(os.path.join(RELEASES, name)):
         return {"name": None}
     d = release_dir(name)
     hashes = {}
-    for rel in ARGS.get("files") or []:
+    for rel in files:
         if "/" in rel or rel.startswith("."):
             fail("release file name %r" % rel)
         hashes[rel] = sha256_hex(os.path.join(d, rel)) if os.path.isfile(os.path.join(d, rel)) else None
@@ -1018,8 +1022,16 @@ def op_identity():
     running = bool(proc and proc.get("release") == name)
     health = meta.get("health") if isinstance(meta.get("health"), dict) else {}
     healthy = running and http_ok(int(proc.get("port") or meta.get("port") or 0), health.get("endpoint", "/health"))
-    return {"name": name, "files": hashes, "status": meta.get("status"), "patches": meta.get("patches"),
-            "running": running, "healthy": bool(healthy)}
+    out = {"name": name, "files": hashes, "status": meta.get("status"), "patches": meta.get("patches"),
+           "health": health, "running": running, "healthy": bool(healthy)}
+    if script:
+        path = os.path.join(d, "launch.sh")
+        try:
+            with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:
+                out["launch_sh"] = fh.read(4 << 20).decode("utf-8", "replace")
+        except (OSError, FileProblem):
+            out["launch_sh"] = None
+    return out
 
 
 def op_rearm():
@@ -1391,12 +1403,14 @@ def op_batch():
 
 
 OPS["batch"] = op_batch
-try:
-    check_root()
-    # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
-    UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
-    out = run_op(ARGS["op"])
-except FileProblem as exc:
-    fail(str(exc))
-out["site"] = []
-reply(out)
+# Run as its own program (not included as a library: the deploy facts read releases through it).
+if _SERVOPS_MAIN == "deploy_ctl":
+    try:
+        check_root()
+        # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
+        UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
+        out = run_op(ARGS["op"])
+    except FileProblem as exc:
+        fail(str(exc))
+    out["site"] = []
+    reply(out)
