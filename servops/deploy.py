@@ -480,6 +480,23 @@ def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
 
 # ---- rollback --------------------------------------------------------------------------------
 
+def release_facts(hs: HostSession) -> tuple[dict, list[patchstore.Patch]]:
+    """The releases listing and every stored patch's state, one round trip: what rollback, start
+    and restart plan from (plan_patches)."""
+    store = patchstore.all_patches()
+    state = releases.facts(hs, [p.remote_spec() for p in store])
+    if state.get("patches_recovered"):
+        err_console.print(f"{hs.host.name}: patch state: {state['patches_recovered']}", markup=False)
+    return state, store
+
+
+def plan_patches(hs: HostSession, state: dict, store: list[patchstore.Patch], wanted: list[str]) -> list:
+    """(action, patch) pairs that make the host's applied set `wanted`, from release_facts (pure)."""
+    from . import patching
+
+    return patchplan.actions(hs.host.name, store, patching.status_rows(store, state["patches"]), wanted)
+
+
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
                      show_diff: bool = False, phases: Phases | None = None, owner: dict | None = None,
                      found: list[str | None] | None = None) -> str:
@@ -491,7 +508,7 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
     phases = phases or Phases(nodes[0].host.name, nodes[0].redactor)
     targets = []
     for i, hs in enumerate(nodes):
-        state = releases.listing(hs)
+        state, store = release_facts(hs)
         rels = {r["name"]: r for r in state["releases"]}
         if to:
             if to not in rels:
@@ -510,26 +527,25 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
                         releases.stop(other, 10.0)
                     return f"{NO_EARLIER}: server stopped"
                 raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
-        targets.append((hs, target, state))
+        targets.append((hs, target, state, store))
     phases.step("rollback", f"to {targets[0][1]['name']}")
-    for hs, target, state in targets:
-        wanted = list(target.get("patches") or [])
-        actions = patchplan.plan(hs, wanted)
+    for hs, target, state, store in targets:
+        actions = plan_patches(hs, state, store, list(target.get("patches") or []))
         if actions:
             phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
         patchplan.run(hs, actions, show_diff=show_diff)
         if show_diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
-    nodes_up = [Node(hs, t["name"], t, state["root"], extra={"server": state["server"]}) for hs, t, state in targets]
-    hs0, t0, _ = targets[0]
+    nodes_up = [Node(hs, t["name"], t, state["root"], extra={"server": state["server"]}) for hs, t, state, _s in targets]
+    hs0, t0, *_ = targets[0]
     outcome = bring_up(nodes_up, phases, f"rollback to {t0['name']}", owner=owner)
     if outcome["state"] != "healthy":
         report_failure(hs0, t0["name"], outcome)
-        for hs, t, _ in targets:
+        for hs, t, *_ in targets:
             releases.ctl(hs, "journal", entry={"action": "rollback", "who": operator(), "release": t["name"],
                                                "outcome": "failed", "detail": outcome["reason"]})
         raise DeployError(f"{hs0.host.name}: rollback to {t0['name']} failed too: {outcome['reason']}")
-    for hs, t, state in targets:
+    for hs, t, state, _store in targets:
         releases.ctl(hs, "mark", name=t["name"], fields={"status": "healthy", "rolled_back_at": _now()},
                      journal={"action": "rollback", "who": operator(), "release": t["name"], "outcome": "healthy",
                               "from": state["current"], "detail": "automatic" if failed else "requested"})
@@ -544,13 +560,13 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
     if dry_run:
         from . import patching
 
-        state = releases.listing(hs)
+        state, store = release_facts(hs)
         target = (next((r for r in state["releases"] if r["name"] == to), None) if to
                   else releases.previous_good(state["releases"], state["current"]))
         if target is None:
             raise DeployError(f"{hs.host.name}: " + (f"no release {to!r}" if to else
                               f"no healthy release before {state['current']} to roll back to"))
-        plan = patchplan.plan(hs, list(target.get("patches") or []))
+        plan = plan_patches(hs, state, store, list(target.get("patches") or []))
         if diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
             for action, patch in plan:
@@ -627,7 +643,7 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
     """`start` brings the current release up when its server is down (after a reboot, a stop);
     `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
     made whole first, and a crash rolls back to the previous healthy release."""
-    state = releases.listing(hs)
+    state, store = release_facts(hs)
     cur, server = state["current"], state["server"]
     name = hs.host.name
     if not cur:
@@ -640,7 +656,7 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
             return OK, f"{cur} already running (pid {server['pid']})"
         raise DeployError(f"{name}: {cur} runs (pid {server['pid']}) but is not healthy: invoke restart -H {name}")
     wanted = list(target.get("patches") or [])
-    actions = patchplan.plan(hs, wanted)
+    actions = plan_patches(hs, state, store, wanted)
     if dry_run:
         patches = "; patches: " + ", ".join(f"{a} {p.name}" for a, p in actions) if actions else ""
         return CHANGED, f"would {verb} {cur}{patches} (check mode)"

@@ -1,4 +1,4 @@
-"""Making a host's applied patch set equal a release's: plan (read-only), apply, undo.
+"""Making a host's applied patch set equal a release's: plan (pure, from the host's patch status), apply, undo.
 
 "Applied" comes from the FILES (the host's patch program probes them and reconciles its state
 file), so a patch applied but never recorded is still reverted when a release does not want it.
@@ -13,12 +13,6 @@ from .transport import HostSession
 
 class PatchPlanError(ServopsError):
     pass
-
-
-def plan(hs: HostSession, wanted: list[str]) -> list[tuple[str, patchstore.Patch]]:
-    """(action, patch) pairs that make the applied set equal `wanted`; refuses what cannot work."""
-    store = patchstore.all_patches()
-    return actions(hs.host.name, store, patching.status(hs, store), wanted)
 
 
 def actions(host_name: str, store: list[patchstore.Patch], rows: list[dict],
@@ -64,10 +58,6 @@ def undo(hs: HostSession, done: list[tuple[str, patchstore.Patch]]) -> None:
             patching.revert(hs, patch)
         else:
             patching.apply(hs, patch, force=True)
-
-
-def sync(hs: HostSession, wanted: list[str], show_diff: bool = False) -> list[str]:
-    return run(hs, plan(hs, wanted), show_diff)
 
 
 def between(current: list[str], target: list[str]) -> list[dict]:

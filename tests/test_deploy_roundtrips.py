@@ -47,3 +47,44 @@ def test_round_trips_of_a_first_a_repeated_a_forced_and_a_dry_run_deploy(alab):
     outcome, trips, programs = deploy_in_process(inv, "baseline", dry_run=True, force=True)
     assert outcome[0] == "changed" and "check mode" in outcome[1], outcome
     assert programs == FACTS and trips == 1, (trips, programs)
+
+
+def verb_in_process(inventory_path, verb, *args, **options) -> tuple[tuple[str, str], int, list[str]]:
+    """A deploy module verb on lab1 as its task runs it: (outcome, round trips, remote programs)."""
+    inventory = load_inventory(inventory_path)
+    with Session(inventory) as session:
+        hs = session.host(inventory.hosts["lab1"])
+        outcome = verb(hs, *args, **options)
+    return outcome, hs.round_trips, hs.programs
+
+
+def test_round_trips_of_a_rollback_and_a_restart(alab):
+    """The releases and the patch state they plan from are one round trip (deploy_ctl:facts),
+    for rollback, restart and start alike (before: releases, then patch_op:status): a rollback
+    7 (was 8), a restart 7 (was 8), either in check mode 1 (was 2)."""
+    lab, inv, port = alab
+    deploy_in_process(inv, "baseline")
+    deploy_in_process(inv, "piecewise")
+
+    outcome, trips, programs = verb_in_process(inv, dep.rollback, dry_run=True)
+    assert outcome[0] == "changed" and "would roll back" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts"] and trips == 1, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.rollback)
+    assert outcome[0] == "changed" and "rolled back" in outcome[1], outcome
+    assert programs == ["deploy_ctl:lock", "deploy_ctl:facts", "patch_op:revert",  # piecewise's patch goes
+                        "deploy_ctl:batch", "deploy_ctl:health", "deploy_ctl:mark", "deploy_ctl:unlock"] \
+        and trips == 7, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "restart", dry_run=True)
+    assert outcome[0] == "changed" and "would restart" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts"] and trips == 1, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "restart")
+    assert outcome[0] == "changed" and "restarted" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts", "deploy_ctl:lock", "deploy_ctl:rearm", "deploy_ctl:batch",
+                        "deploy_ctl:health", "deploy_ctl:batch", "deploy_ctl:unlock"] and trips == 7, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "start")
+    assert outcome[0] == "ok" and "already running" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts", "deploy_ctl:identity"] and trips == 2, (trips, programs)

@@ -230,6 +230,14 @@ def op_releases():
             "leftovers": leftovers, "unfinished": UNFINISHED, "protected": protected(), "pins_damaged": pins_damaged()}
 
 
+def op_facts():
+    """`releases` and the state of the given patches in one round trip: what rollback, start and
+    restart plan from (the patch state as patch.status reads it, after finishing a transaction a
+    killed patch run left behind)."""
+    status = do_status(ARGS["patches"], ARGS.get("lock_timeout", 30)) if ARGS.get("patches") else {}
+    return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"))
+
+
 def op_prepare():
     os.makedirs(RELEASES, mode=0o700, exist_ok=True)
     os.chmod(ROOT, 0o700)
@@ -1378,7 +1386,8 @@ OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare":
        "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
        "journal": op_journal, "disarm": op_disarm, "claim": op_claim, "owns": op_owns,
-       "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm}
+       "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm,
+       "facts": op_facts}
 
 
 def run_op(op):
