@@ -117,8 +117,9 @@ def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict,
          program: str = "launch_check", deploy: dict | None = None) -> tuple[dict, float]:
     port = hs.host.get("server_port")
     args = {"branches": branches, "deploy_root": deploy_root, "port": int(port) if port else None}
-    if deploy is not None:
+    if deploy is not None:  # the check program with deploy_facts included: one round trip still
         args["deploy"] = deploy
+        program += "+deploy_facts"
     started = time.monotonic()
     res = run_program(hs, program, args, env=env or None)
     if "engine" in res and "sglang" not in res:  # another engine's program: its facts under "engine"

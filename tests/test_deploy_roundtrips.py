@@ -21,7 +21,7 @@ def deploy_in_process(inventory_path, variant: str, **options) -> tuple[tuple[st
     return outcome, hs.round_trips, hs.programs
 
 
-FACTS = ["launch_check"]  # one trip: the host's parser on every `when:` branch, release, patch state, lock
+FACTS = ["launch_check+deploy_facts"]  # one trip: the host's parser on every `when:` branch, release, patch state, lock
 TRANSACTION = ["deploy_ctl:lock", "deploy_ctl:prepare", "deploy_ctl:batch", "deploy_ctl:health", "deploy_ctl:batch",
                "deploy_ctl:unlock"]  # lock; release + guard; stop/switch/start; gate; mark + prune; unlock
 

@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Mapping
 
 _HERE = Path(__file__).resolve().parent
-# The launch check also answers what a deploy needs to know of the host (deploy_facts): the
-# current release (deploy_ctl's readers, included as a library), the patch state (patch_core).
-_DEPLOY_FACTS = ["jsonl", "patch_core", "deploy_ctl", "deploy_facts"]
 # Library files a program needs besides _common.py, placed before its own code.
 _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
-             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts", *_DEPLOY_FACTS],
+             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts"],
              "host_facts": ["procs", "launch_facts"],
-             "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts",
-                                   *_DEPLOY_FACTS],
+             "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts"],
              "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"],
-             "end_command": ["procs"]}
+             "end_command": ["procs"],
+             # a launch check that also answers what a deploy needs to know (PROGRAM+deploy_facts):
+             # the current release (deploy_ctl's readers, included as a library), the patch state
+             "deploy_facts": ["jsonl", "patch_core", "deploy_ctl"]}
 
 # Programs that only read the host and end within seconds: a warm connection agent may run them
 # in its host-side warm interpreter (warm_runner.py) rather than on a fresh `python -`. Anything
@@ -47,7 +46,8 @@ def standalone(name: str) -> str:
 
 @cache
 def program(name: str) -> str:
-    parts = ["_common"] + _INCLUDES.get(name, []) + [name]
+    base, _, extra = name.partition("+")  # "launch_check+deploy_facts": extra's library before base's code
+    parts = ["_common"] + _INCLUDES.get(base, []) + (_INCLUDES.get(extra, []) + [extra] if extra else []) + [base]
     # _SERVOPS_MAIN: which program runs (deploy_ctl, included as a library, then runs no op)
     return f"_SERVOPS_MAIN = {name!r}\n" + "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text(encoding="utf-8") for p in parts)
 

@@ -1,6 +1,7 @@
 # What a deploy needs to know of the host besides the launch check, answered in the launch
-# check's own round trip (launch_check, launch_check_vllm include this after deploy_ctl and
-# patch_core, whose readers it uses): the current release (name, status, health, recorded
+# check's own round trip: the program "launch_check+deploy_facts" (or launch_check_vllm+...) is
+# the check program with this file and the libraries it reads through (deploy_ctl, patch_core)
+# placed before it (servops.remote.program). Its facts: the current release (name, status, health, recorded
 # patches, the sha256 of its launch files, launch.sh for a --diff; its server running and
 # healthy), the state of every patch the deploy could want, and the deploy lock.
 # Read-only, as `patch.status` and `identity` are (patch status first finishes a transaction a

@@ -106,7 +106,7 @@ def main():
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
     out["gpus"] = gpu_fact()
-    if ARGS.get("deploy"):  # a deploy's facts: the current release, patch state, lock (deploy_facts)
+    if ARGS.get("deploy"):  # run as PROGRAM+deploy_facts: the current release, patch state, lock
         t = time.time()
         out["deploy"] = deploy_facts(ARGS["deploy"])
         timings["deploy_s"] = round(time.time() - t, 3)
