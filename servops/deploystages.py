@@ -80,6 +80,7 @@ def plan(host: Host, facts: dict, resolved: dict, launch: Launch, wanted: list[s
     release has the same launch files, the same patch set (recorded, and on disk: no actions)
     and its server is up and healthy."""
     found = facts["deploy"]
+    ours = digests(launch_files(host, resolved, launch))  # a server file missing here refuses now
     actions = patchplan.actions(host.name, store, patching.status_rows(store, found["patches"]), wanted)
     cur = found.get("current") or {}
     result = Plan(current=cur.get("name"), unchanged=None, actions=actions)
@@ -87,7 +88,6 @@ def plan(host: Host, facts: dict, resolved: dict, launch: Launch, wanted: list[s
         return result
     if list(cur.get("patches") or []) != list(wanted):
         return result
-    ours = digests(launch_files(host, resolved, launch))
     if any((cur.get("files") or {}).get(n) != ours.get(n) for n in set(ours) | set(LAUNCH_FILES)):
         return result
     result.unchanged = cur["name"]

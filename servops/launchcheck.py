@@ -9,6 +9,9 @@ that the host's version selects. Besides the flags: the model path exists, the p
 servops' own server holds it, and nvidia-smi (when present) shows at least the GPUs the launch
 needs.
 
+As stages (deploystages): read_facts is the round trip (a deploy's facts trip: the same program
+with deploy_facts), resolve and verdict are pure; check_variant runs them for `invoke check`.
+
 Refusals are one line per problem, naming the flag, the host's sglang version and, for a flag
 sglang does not know, the closest flags it does know:
     --cuda-graph-max-bz: unrecognized on sglang 0.5.23; did you mean --cuda-graph-max-bs-decode, ...?
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 
 from . import engines
 from .errors import ServopsError
+from .inventory import Host
 from .playbooks import apply_rules, matching_rules, when_branches
 from .remote_exec import run_program
 from .render import Launch, render_launch
@@ -80,7 +84,7 @@ class LaunchCheck:
         return f"launch ok on {e} {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
 
 
-def launch_branches(host, variant: dict) -> tuple[list[dict], dict]:
+def launch_branches(host: Host, variant: dict) -> tuple[list[dict], dict]:
     """Every `when:` branch of the variant rendered for this host (pure): the distinct launches
     the host's parser checks in the facts round trip, whichever version it turns out to have;
     and the environment of the branch with no rule (the program runs in it). A branch that does
@@ -228,7 +232,7 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
     return verdict(hs.host, variant, resolved, applied, launch, facts, hs.redactor)
 
 
-def verdict(host, variant: dict, resolved: dict, applied: list[str], launch: Launch, facts: dict,
+def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launch: Launch, facts: dict,
             redact=lambda text: text) -> LaunchCheck:
     """The launch check's verdict (pure): the host's parser's result on this launch, read from
     the facts, with the `when:` refusal, the model path, the port and the GPUs; problem and

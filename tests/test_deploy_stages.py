@@ -13,6 +13,7 @@ import pytest
 
 from servops import deploystages as stages
 from servops import patchstore
+from servops.errors import ServopsError
 from servops.inventory import parse_inventory
 from servops.launchcheck import LaunchRefused, launch_branches, raise_if_refused, resolve, verdict
 from servops.patchplan import PatchPlanError
@@ -137,7 +138,7 @@ def test_verdict_without_the_launch_in_the_facts_asks_for_its_own_trip():
     base = load_variant("baseline")
     facts = host_facts(base, "0.5.23")
     facts["sent"] = [b for b in facts["sent"] if "--cuda-graph-backend-prefill" not in b["argv"]]
-    with pytest.raises(Exception, match="check_missing_branch runs first"):
+    with pytest.raises(ServopsError, match="check_missing_branch runs first"):
         stages_to_check(base, facts)
 
 
@@ -221,3 +222,16 @@ def test_facts_request_asks_for_the_launch_files_and_every_patch_in_the_store():
     req = stages.facts_request(HOST, base, STORE, script=True)
     assert req["files"] == ["launch.sh", "secrets.env"] and req["script"] is True
     assert [p["name"] for p in req["patches"]] == [p.name for p in STORE]
+
+
+def test_plan_refuses_a_server_file_that_is_missing_locally_before_any_lock(tmp_path):
+    """The release files are made in the plan stage (also for a first deploy, with nothing to
+    compare them to): a server file that is not here refuses there, before the transaction."""
+    host = parse_inventory(f"all: {{hosts: {{h1: {{venv: /opt/v, server_port: 30000, model_path: /m, tp: 8, "
+                           f"server_module: sglang_double, server_files: [{tmp_path}/gone.py]}}}}}}",
+                           "inv.yml").hosts["h1"]
+    base = load_variant("baseline")
+    resolved, _ = resolve(base, {"sglang": {"version": None}})
+    launch = render_launch(host, resolved)
+    with pytest.raises(ServopsError, match="server_files entry .*gone.py' does not exist locally"):
+        stages.plan(host, host_facts(base, None), resolved, launch, [], STORE)
