@@ -141,8 +141,26 @@ def read_facts(hs: HostSession, variant: dict, *, deploy_root: str, deploy: dict
     engine = engines.of_variant(variant)
     branches, env = launch_branches(hs.host, variant)
     res, elapsed = _run(hs, branches, deploy_root, env, engine.check_program, deploy)
+    if deploy is not None:
+        _check_deploy_reply(hs.host.name, res.get("deploy"))
     res["sent"], res["elapsed_s"], res["deploy_root"] = branches, round(elapsed, 3), deploy_root
     return res
+
+
+def _check_deploy_reply(host_name: str, found) -> None:
+    """deploy_facts' reply as servops' program writes it (the current release's name is a name,
+    never a path; the records are objects): anything else is one line, before any of it is used."""
+    from .errors import RemoteError
+    from .releases import RELEASE_NAME_RE
+
+    current = found.get("current") if isinstance(found, dict) else None
+    name = current.get("name") if isinstance(current, dict) else None
+    ok = (isinstance(current, dict) and (name is None or (isinstance(name, str) and RELEASE_NAME_RE.fullmatch(name)))
+          and isinstance(current.get("files", {}), dict) and isinstance(current.get("patches") or [], list)
+          and isinstance(found.get("patches"), list) and all(isinstance(e, dict) for e in found["patches"]))
+    if not ok:
+        raise RemoteError(f"{host_name}: the deploy facts are malformed; the host's servops files may be "
+                          f"damaged or tampered with")
 
 
 def engine_version(facts: dict) -> str | None:

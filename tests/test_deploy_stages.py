@@ -235,3 +235,15 @@ def test_plan_refuses_a_server_file_that_is_missing_locally_before_any_lock(tmp_
     launch = render_launch(host, resolved)
     with pytest.raises(ServopsError, match="server_files entry .*gone.py' does not exist locally"):
         stages.plan(host, host_facts(base, None), resolved, launch, [], STORE)
+
+
+@pytest.mark.parametrize("found", [None, {"current": {"name": "../../etc"}, "patches": []},
+                                   {"current": {"name": None}, "patches": "all"},
+                                   {"current": {"name": "20261206T101500Z-baseline", "files": []}, "patches": []}])
+def test_malformed_deploy_facts_are_one_line_before_any_use(found):
+    from servops.errors import RemoteError
+    from servops.launchcheck import _check_deploy_reply
+
+    with pytest.raises(RemoteError, match="^h1: the deploy facts are malformed"):
+        _check_deploy_reply("h1", found)
+    _check_deploy_reply("h1", host_facts(load_variant("baseline"))["deploy"])
