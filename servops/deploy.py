@@ -158,8 +158,8 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
     validate(variant, nodes, gate, push_url)
     per_node = node_args(variant, [hs.host for hs in nodes])  # a bad node count fails before any output
     phases = Phases(nodes[0].host.name, nodes[0].redactor)
-    phases.step("preflight", f"{variant_name}: host facts, launch check against the host's "
-                             f"{engines.of_variant(variant).name}, patch plan (read-only)")
+    phases.step("preflight", f"{variant_name}: launch check against the host's {engines.of_variant(variant).name}, "
+                             f"patch plan (read-only)")
     store = patchstore.all_patches()
     prepared, plans = [], []
     for hs, extra in zip(nodes, per_node):
