@@ -18,19 +18,20 @@ import json
 import os
 import time
 from contextlib import ExitStack
-from pathlib import Path
 import yaml
 
-from . import engines, interrupt, patchplan, releases
+from . import deploystages as stages
+from . import engines, interrupt, patchplan, patchstore, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import host_lock
 from .errors import ServopsError
-from .launchcheck import LaunchCheck, check_variant, raise_if_refused
+from .launchcheck import (LaunchCheck, check_missing_branch, check_variant, raise_if_refused, read_facts, resolve,
+                          verdict)
 from .multinode import node_args, with_args
 from .output import ATTENTION, CHANGED, FAILED, OK, RESTORED, console, err_console
 from .playbooks import load_variant
 from .progress import Phases
-from .provenance import REPO, git_sha, operator
+from .provenance import git_sha, operator
 from .redact import variant_secrets
 from .render import Launch, render_launch
 from .transport import HostSession
@@ -56,7 +57,7 @@ def preflight(hs: HostSession, variant: dict) -> tuple[dict, Launch, LaunchCheck
     """Read-only, one round trip: the host's own engine (sglang, vllm) parses the launch (every
     `when:` branch); a flag it rejects, a missing model, a busy port or too few GPUs refuse here,
     before anything stops. Returns the variant as it applies to this host's engine version and
-    what it renders to."""
+    what it renders to. (deploy_group runs the same stages, with the deploy's facts.)"""
     check = check_variant(hs, variant, deploy_root=releases.deploy_root(hs.host))
     raise_if_refused(check, hs.host.name)
     return check.variant, render_launch(hs.host, check.variant), check
@@ -86,25 +87,18 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
         "crash_signatures": variant["crash_signatures"], "stop_grace": variant.get("stop_grace", 30),
         "deployed_by": operator(),
     }
-    shown = {k: v for k, v in variant.items() if k not in ("chain",)}
-    files = {
-        "launch.sh": {"text": launch.script, "mode": 0o700},
-        # secret values masked: the real ones live only in secrets.env (0600)
-        "variant.yml": {"text": hs.redactor(yaml.safe_dump(shown, sort_keys=False))},
-        "release.json": {"text": json.dumps(record, indent=1, sort_keys=True)},
-    }
-    if launch.secret_env:
-        files["secrets.env"] = {"text": launch.secrets_file(), "mode": 0o600}
     engine = engines.of_variant(variant)
     if engine.name != engines.DEFAULT:  # recorded for bench and stop; an sglang release.json stays as it was
         record["engine"] = engine.name
-        files["release.json"] = {"text": json.dumps(record, indent=1, sort_keys=True)}
-    for local in engine.server_files(hs.host):  # e.g. the lab's SGLang double
-        path = Path(local) if Path(local).is_absolute() else REPO / local
-        if not path.is_file():
-            raise DeployError(f"{hs.host.source}: server_files entry {local!r} does not exist locally")
-        files[path.name] = {"text": path.read_text(encoding="utf-8")}
-    return files
+    shown = {k: v for k, v in variant.items() if k not in ("chain",)}
+    runs_from = stages.launch_files(hs.host, variant, launch)
+    return {
+        "launch.sh": runs_from.pop("launch.sh"),
+        # secret values masked: the real ones live only in secrets.env (0600)
+        "variant.yml": {"text": hs.redactor(yaml.safe_dump(shown, sort_keys=False))},
+        "release.json": {"text": json.dumps(record, indent=1, sort_keys=True)},
+        **runs_from,
+    }
 
 
 # ---- validation that needs no host -----------------------------------------------------------
@@ -134,49 +128,7 @@ def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_ur
 def launch_identity(hs: HostSession, variant: dict, launch: Launch, patches: list[str]) -> dict[str, str]:
     """sha256 of what the server runs from a release: its launch script, secrets file and server
     files (not release.json or variant.yml: their timestamps and metadata restart nothing)."""
-    import hashlib
-
-    files = release_files(hs, variant, launch, patches)
-    return {name: "sha256=" + hashlib.sha256(spec["text"].encode()).hexdigest()
-            for name, spec in files.items() if name not in ("release.json", "variant.yml")}
-
-
-def unchanged_release(hs: HostSession, variant: dict, launch: Launch, wanted: list[str], actions: list) -> str | None:
-    """The current release's name when deploying would change nothing: the same launch files,
-    the same patch set (recorded and on disk) and its server up and healthy. None otherwise."""
-    if actions:
-        return None
-    ours = launch_identity(hs, variant, launch, wanted)
-    names = sorted(set(ours) | {"launch.sh", "secrets.env"})
-    cur = releases.ctl(hs, "identity", files=names)
-    if not cur.get("name") or not cur.get("healthy") or cur.get("status") not in ("healthy", "unconfirmed"):
-        return None
-    if list(cur.get("patches") or []) != list(wanted):
-        return None
-    if any((cur.get("files") or {}).get(n) != ours.get(n) for n in names):
-        return None
-    return cur["name"]
-
-
-def preflight_nodes(nodes: list[HostSession], variant: dict, skip_patches: bool,
-                    phases: Phases) -> list[tuple[HostSession, dict, Launch, list]]:
-    """Each node's preflight, read-only: (session, variant as resolved there, its launch, the
-    patch actions that make its venv's patch set the resolved variant's, proven first where a
-    patch proves an engine call site)."""
-    per_node = node_args(variant, [hs.host for hs in nodes])  # a bad node count fails before any output
-    phases.step("preflight", f"{variant['name']}: launch check against the host's {engines.of_variant(variant).name}, "
-                             f"patch plan (read-only)")
-    prepared = []
-    for hs, extra in zip(nodes, per_node):
-        resolved, launch, check = preflight(hs, with_args(variant, extra))
-        hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
-        phases.step("preflight", f"{hs.host.name}: {check.summary()}"
-                    + "".join(f"; rule: {r}" for r in check.rules))
-        # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
-        wanted = [] if skip_patches else list(resolved.get("patches") or [])
-        prove_call_sites(hs, wanted, phases)
-        prepared.append((hs, resolved, launch, patchplan.plan(hs, wanted)))
-    return prepared
+    return stages.digests(stages.launch_files(hs.host, variant, launch))
 
 
 def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
@@ -187,25 +139,50 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
 
     `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
     the outcome: release, state (healthy / crashed / timeout / gate-failed / failed / interrupted),
-    reason, elapsed and the log's path. A deploy that would change nothing (see unchanged_release)
+    reason, elapsed and the log's path. A deploy that would change nothing (deploystages.plan)
     restarts nothing, unless `force`.
 
-    The stages, each once, top to bottom: validate (no host) -> preflight per node (the host's
-    facts and its own parser on the launch, the variant resolved for its engine version and
-    rendered: one round trip; the patch plan: one; a call-site proof, only where the resolved patch
-    set has one) -> plan (unchanged, or what changes: one)
+    The stages (deploystages), each once, top to bottom; per node:
+      validate (no host) -> facts (ONE round trip: the engine's check program parses every `when:`
+      branch's launch and reports the current release, the patch state, the lock) -> resolve
+      (the `when:` rules of the host's version) -> render -> check (the host parser's verdict on
+      that launch, from the facts) -> plan (unchanged, or what changes)
     -> check mode ends here -> transaction (lock, release, patches, restart, gate, conclude).
-    tests/test_deploy_roundtrips.py counts each stage's round trips."""
+    Extra round trips only where asked for: a host version that none of the `when:` probe
+    versions stood for (its launch is checked in a second trip), a patch that proves an engine
+    call site, --diff's patch diffs. tests/test_deploy_roundtrips.py counts them."""
     variant = load_variant(variant) if isinstance(variant, str) else variant
     variant_name = variant["name"]
     for hs in nodes:  # a variant-only secret (HF_TOKEN) is masked like the host's own
         hs.redactor.add(variant_secrets(variant, hs.host.get("secret_vars") or ()))
     validate(variant, nodes, gate, push_url)
+    per_node = node_args(variant, [hs.host for hs in nodes])  # a bad node count fails before any output
     phases = Phases(nodes[0].host.name, nodes[0].redactor)
-    prepared = preflight_nodes(nodes, variant, skip_patches, phases)
+    phases.step("preflight", f"{variant_name}: launch check against the host's {engines.of_variant(variant).name}, "
+                             f"patch plan (read-only)")
+    store = patchstore.all_patches()
+    prepared, plans = [], []
+    for hs, extra in zip(nodes, per_node):
+        node_variant = with_args(variant, extra)
+        root = releases.deploy_root(hs.host)
+        facts = read_facts(hs, node_variant, deploy_root=root,
+                           deploy=stages.facts_request(hs.host, node_variant, store, script=diff and dry_run))
+        if facts["deploy"].get("patches_recovered"):
+            err_console.print(f"{hs.host.name}: patch state: {facts['deploy']['patches_recovered']}", markup=False)
+        resolved, applied = resolve(node_variant, facts)
+        launch = render_launch(hs.host, resolved)  # a branch that does not render fails here, on its host only
+        check_missing_branch(hs, node_variant, facts, launch)
+        check = verdict(hs.host, node_variant, resolved, applied, launch, facts, hs.redactor)
+        raise_if_refused(check, hs.host.name)
+        hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
+        phases.step("preflight", f"{hs.host.name}: {check.summary()}" + "".join(f"; rule: {r}" for r in check.rules))
+        # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
+        wanted = [] if skip_patches else list(resolved.get("patches") or [])
+        prove_call_sites(hs, wanted, phases)
+        plans.append((stages.plan(hs.host, facts, resolved, launch, wanted, store), facts))
+        prepared.append((hs, resolved, launch, plans[-1][0].actions))
     wanted = [] if skip_patches else list(prepared[0][1].get("patches") or [])  # the set rank 0 resolved
-    same = [] if force or gate else [unchanged_release(hs, resolved, launch, wanted, actions)
-                                     for hs, resolved, launch, actions in prepared]
+    same = [] if force or gate else [p.unchanged for p, _facts in plans]
     if same and all(same):
         phases.step("done", f"{same[0]} already runs this launch and patch set, healthy: nothing restarted "
                             f"(--force restarts it)")
@@ -213,7 +190,10 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
             record.update(release=same[0], state="healthy", reason="unchanged", elapsed=0.0, log=None)
         return OK, f"{'no change' if dry_run else 'unchanged'} (current: {same[0]})" + (" (check mode)" if dry_run else "")
     if dry_run:
-        return CHANGED, "; ".join(_plan_text(hs, resolved, launch, actions, diff) for hs, resolved, launch, actions in prepared)
+        if diff:
+            for (hs, _resolved, launch, _actions), (p, facts) in zip(prepared, plans):
+                _print_plan_diff(hs, facts, p, launch)
+        return CHANGED, "; ".join(p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans))
     with ExitStack() as stack:
         locks = []
         for hs in nodes:
@@ -249,20 +229,17 @@ def prove_call_sites(hs: HostSession, wanted: list[str], phases: Phases) -> None
                               f"{lines[2]}; nothing was changed")
 
 
-def _plan_text(hs: HostSession, variant: dict, launch: Launch, actions: list, show_diff: bool) -> str:
-    """Check mode: diff against the current release's script, list patch actions."""
+def _print_plan_diff(hs: HostSession, facts: dict, plan: stages.Plan, launch: Launch) -> None:
+    """Check mode's --diff: the new launch.sh against the current release's (read in the facts
+    trip), and each patch action's diff (a dry run of it on the host)."""
     from . import patching
 
-    state = releases.listing(hs)
-    if show_diff:
-        print_script_diff(hs, state["root"], state["current"], "new release", launch.script)
-        for action, patch in actions:
-            res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
-                   else patching.revert(hs, patch, dry_run=True))
-            patching.print_diff(hs.host.name, res["diff"])
-    summary = ", ".join(f"{a} {p.name}" for a, p in actions)
-    return (f"would deploy {variant['name']} (replacing {state['current'] or 'nothing'})"
-            + (f"; patches: {summary}" if summary else "") + " (check mode)")
+    old = ((facts["deploy"].get("current") or {}).get("launch_sh") or "") if plan.current else ""
+    print_script_diff(hs, facts["deploy"]["root"], plan.current, "new release", launch.script, old_text=old)
+    for action, patch in plan.actions:
+        res = (patching.apply(hs, patch, dry_run=True) if action == "apply"
+               else patching.revert(hs, patch, dry_run=True))
+        patching.print_diff(hs.host.name, res["diff"])
 
 
 def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str], previous: str | None = None) -> dict:
@@ -503,6 +480,23 @@ def report_failure(hs: HostSession, name: str, outcome: dict) -> None:
 
 # ---- rollback --------------------------------------------------------------------------------
 
+def release_facts(hs: HostSession) -> tuple[dict, list[patchstore.Patch]]:
+    """The releases listing and every stored patch's state, one round trip: what rollback, start
+    and restart plan from (plan_patches)."""
+    store = patchstore.all_patches()
+    state = releases.facts(hs, [p.remote_spec() for p in store])
+    if state.get("patches_recovered"):
+        err_console.print(f"{hs.host.name}: patch state: {state['patches_recovered']}", markup=False)
+    return state, store
+
+
+def plan_patches(hs: HostSession, state: dict, store: list[patchstore.Patch], wanted: list[str]) -> list:
+    """(action, patch) pairs that make the host's applied set `wanted`, from release_facts (pure)."""
+    from . import patching
+
+    return patchplan.actions(hs.host.name, store, patching.status_rows(store, state["patches"]), wanted)
+
+
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
                      show_diff: bool = False, phases: Phases | None = None, owner: dict | None = None,
                      found: list[str | None] | None = None) -> str:
@@ -514,7 +508,7 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
     phases = phases or Phases(nodes[0].host.name, nodes[0].redactor)
     targets = []
     for i, hs in enumerate(nodes):
-        state = releases.listing(hs)
+        state, store = release_facts(hs)
         rels = {r["name"]: r for r in state["releases"]}
         if to:
             if to not in rels:
@@ -533,26 +527,25 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
                         releases.stop(other, 10.0)
                     return f"{NO_EARLIER}: server stopped"
                 raise DeployError(f"{hs.host.name}: no healthy release before {anchor} to roll back to")
-        targets.append((hs, target, state))
+        targets.append((hs, target, state, store))
     phases.step("rollback", f"to {targets[0][1]['name']}")
-    for hs, target, state in targets:
-        wanted = list(target.get("patches") or [])
-        actions = patchplan.plan(hs, wanted)
+    for hs, target, state, store in targets:
+        actions = plan_patches(hs, state, store, list(target.get("patches") or []))
         if actions:
             phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
         patchplan.run(hs, actions, show_diff=show_diff)
         if show_diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
-    nodes_up = [Node(hs, t["name"], t, state["root"], extra={"server": state["server"]}) for hs, t, state in targets]
-    hs0, t0, _ = targets[0]
+    nodes_up = [Node(hs, t["name"], t, state["root"], extra={"server": state["server"]}) for hs, t, state, _s in targets]
+    hs0, t0, *_ = targets[0]
     outcome = bring_up(nodes_up, phases, f"rollback to {t0['name']}", owner=owner)
     if outcome["state"] != "healthy":
         report_failure(hs0, t0["name"], outcome)
-        for hs, t, _ in targets:
+        for hs, t, *_ in targets:
             releases.ctl(hs, "journal", entry={"action": "rollback", "who": operator(), "release": t["name"],
                                                "outcome": "failed", "detail": outcome["reason"]})
         raise DeployError(f"{hs0.host.name}: rollback to {t0['name']} failed too: {outcome['reason']}")
-    for hs, t, state in targets:
+    for hs, t, state, _store in targets:
         releases.ctl(hs, "mark", name=t["name"], fields={"status": "healthy", "rolled_back_at": _now()},
                      journal={"action": "rollback", "who": operator(), "release": t["name"], "outcome": "healthy",
                               "from": state["current"], "detail": "automatic" if failed else "requested"})
@@ -567,13 +560,13 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
     if dry_run:
         from . import patching
 
-        state = releases.listing(hs)
+        state, store = release_facts(hs)
         target = (next((r for r in state["releases"] if r["name"] == to), None) if to
                   else releases.previous_good(state["releases"], state["current"]))
         if target is None:
             raise DeployError(f"{hs.host.name}: " + (f"no release {to!r}" if to else
                               f"no healthy release before {state['current']} to roll back to"))
-        plan = patchplan.plan(hs, list(target.get("patches") or []))
+        plan = plan_patches(hs, state, store, list(target.get("patches") or []))
         if diff:
             print_script_diff(hs, state["root"], state["current"], target["name"])
             for action, patch in plan:
@@ -593,13 +586,15 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
 
 # ---- shared helpers ----------------------------------------------------------------------------
 
-def print_script_diff(hs: HostSession, root: str, old: str | None, new: str, new_text: str | None = None) -> None:
-    """Unified diff of launch.sh between two releases (`new_text`: a script not yet on the host)."""
+def print_script_diff(hs: HostSession, root: str, old: str | None, new: str, new_text: str | None = None,
+                      old_text: str | None = None) -> None:
+    """Unified diff of launch.sh between two releases (`new_text`: a script not yet on the host;
+    `old_text`: the old one's, already read)."""
     import difflib
 
     from . import patching
 
-    before = _read_remote(hs, f"{root}/releases/{old}/launch.sh") if old else ""
+    before = old_text if old_text is not None else _read_remote(hs, f"{root}/releases/{old}/launch.sh") if old else ""
     after = new_text if new_text is not None else _read_remote(hs, f"{root}/releases/{new}/launch.sh")
     text = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True),
                                         f"{old or 'nothing'}/launch.sh", f"{new}/launch.sh"))
@@ -648,7 +643,7 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
     """`start` brings the current release up when its server is down (after a reboot, a stop);
     `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
     made whole first, and a crash rolls back to the previous healthy release."""
-    state = releases.listing(hs)
+    state, store = release_facts(hs)
     cur, server = state["current"], state["server"]
     name = hs.host.name
     if not cur:
@@ -661,7 +656,7 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
             return OK, f"{cur} already running (pid {server['pid']})"
         raise DeployError(f"{name}: {cur} runs (pid {server['pid']}) but is not healthy: invoke restart -H {name}")
     wanted = list(target.get("patches") or [])
-    actions = patchplan.plan(hs, wanted)
+    actions = plan_patches(hs, state, store, wanted)
     if dry_run:
         patches = "; patches: " + ", ".join(f"{a} {p.name}" for a, p in actions) if actions else ""
         return CHANGED, f"would {verb} {cur}{patches} (check mode)"

@@ -9,6 +9,9 @@ that the host's version selects. Besides the flags: the model path exists, the p
 servops' own server holds it, and nvidia-smi (when present) shows at least the GPUs the launch
 needs.
 
+As stages (deploystages): read_facts is the round trip (a deploy's facts trip: the same program
+with deploy_facts), resolve and verdict are pure; check_variant runs them for `invoke check`.
+
 Refusals are one line per problem, naming the flag, the host's sglang version and, for a flag
 sglang does not know, the closest flags it does know:
     --cuda-graph-max-bz: unrecognized on sglang 0.5.23; did you mean --cuda-graph-max-bs-decode, ...?
@@ -24,9 +27,10 @@ from dataclasses import dataclass, field
 
 from . import engines
 from .errors import ServopsError
+from .inventory import Host
 from .playbooks import apply_rules, matching_rules, when_branches
 from .remote_exec import run_program
-from .render import render_launch
+from .render import Launch, render_launch
 from .transport import HostSession
 
 # Server modules that stand in for sglang (the lab's test double): they load no weights.
@@ -80,36 +84,106 @@ class LaunchCheck:
         return f"launch ok on {e} {self.sglang_version} ({how}{rules}) in {self.elapsed_s:.2f}s"
 
 
-def _branch_inputs(hs: HostSession, variant: dict) -> tuple[list[dict], dict, list]:
-    """(program branches, key -> branch id, [(key, example version, id or RenderError)])."""
+def launch_branches(host: Host, variant: dict) -> tuple[list[dict], dict]:
+    """Every `when:` branch of the variant rendered for this host (pure): the distinct launches
+    the host's parser checks in the facts round trip, whichever version it turns out to have;
+    and the environment of the branch with no rule (the program runs in it). A branch that does
+    not render is left out: its error is raised only if it is the host's (render, after resolve)."""
     branches: list[dict] = []
-    by_launch: dict[tuple, str] = {}
-    table = []
-    for key, example in when_branches(variant):
+    base_env = None
+    for key, _example in when_branches(variant):
         resolved, _applied = apply_rules(variant, list(key))
         try:
-            launch = render_launch(hs.host, resolved)
-        except ServopsError as exc:  # only an error if this branch is the host's
-            table.append((key, example, exc))
+            launch = render_launch(host, resolved)
+        except ServopsError:
             continue
-        env = dict(launch.env, **launch.secret_env)
-        ident = (tuple(launch.argv), tuple(sorted(env.items())))
-        if ident not in by_launch:
-            by_launch[ident] = f"b{len(branches)}"
-            branches.append({"id": by_launch[ident], "argv": launch.argv, "env": env})
-        table.append((key, example, by_launch[ident]))
-    return branches, {k: v for k, _e, v in table}, table
+        branch = _branch_of(branches, launch, add=True)
+        if key == ():
+            base_env = branch["env"]
+    if base_env is None:
+        base_env = branches[0]["env"] if branches else {}
+    return branches, base_env
+
+
+def _branch_of(branches: list[dict], launch: Launch, add: bool = False) -> dict | None:
+    """The branch that sends exactly this launch (argv and environment); `add`: made if missing."""
+    env = dict(launch.env, **launch.secret_env)
+    for branch in branches:
+        if branch["argv"] == list(launch.argv) and branch["env"] == env:
+            return branch
+    if not add:
+        return None
+    branches.append({"id": f"b{len(branches)}", "argv": list(launch.argv), "env": env})
+    return branches[-1]
 
 
 def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict,
-         program: str = "launch_check") -> tuple[dict, float]:
+         program: str = "launch_check", deploy: dict | None = None) -> tuple[dict, float]:
     port = hs.host.get("server_port")
     args = {"branches": branches, "deploy_root": deploy_root, "port": int(port) if port else None}
+    if deploy is not None:  # the check program with deploy_facts included: one round trip still
+        args["deploy"] = deploy
+        program += "+deploy_facts"
     started = time.monotonic()
     res = run_program(hs, program, args, env=env or None)
     if "engine" in res and "sglang" not in res:  # another engine's program: its facts under "engine"
         res["sglang"] = res["engine"]
     return res, time.monotonic() - started
+
+
+def read_facts(hs: HostSession, variant: dict, *, deploy_root: str, deploy: dict | None = None) -> dict:
+    """The facts round trip: ONE run of the engine's check program. The host reports its python,
+    engine and version, port, GPUs, and its own parser's verdict (real, or the cached flag table)
+    on every `when:` branch of the variant as rendered for it (launch_branches), so the check of
+    whichever branch its version selects is already in the reply; `deploy` (deploy_facts' request)
+    adds the current release, the patch state and the lock. Returns the reply, with the branches
+    sent ("sent") and the measured round trip ("elapsed_s"): the data the pure stages read."""
+    engine = engines.of_variant(variant)
+    branches, env = launch_branches(hs.host, variant)
+    res, elapsed = _run(hs, branches, deploy_root, env, engine.check_program, deploy)
+    if deploy is not None:
+        _check_deploy_reply(hs.host.name, res.get("deploy"))
+    res["sent"], res["elapsed_s"], res["deploy_root"] = branches, round(elapsed, 3), deploy_root
+    return res
+
+
+def _check_deploy_reply(host_name: str, found) -> None:
+    """deploy_facts' reply as servops' program writes it (the current release's name is a name,
+    never a path; the records are objects): anything else is one line, before any of it is used."""
+    from .errors import RemoteError
+    from .releases import RELEASE_NAME_RE
+
+    current = found.get("current") if isinstance(found, dict) else None
+    name = current.get("name") if isinstance(current, dict) else None
+    ok = (isinstance(current, dict) and (name is None or (isinstance(name, str) and RELEASE_NAME_RE.fullmatch(name)))
+          and isinstance(current.get("files", {}), dict) and isinstance(current.get("patches") or [], list)
+          and isinstance(found.get("patches"), list) and all(isinstance(e, dict) for e in found["patches"]))
+    if not ok:
+        raise RemoteError(f"{host_name}: the deploy facts are malformed; the host's servops files may be "
+                          f"damaged or tampered with")
+
+
+def engine_version(facts: dict) -> str | None:
+    return (facts.get("sglang") or {}).get("version")
+
+
+def resolve(variant: dict, facts: dict) -> tuple[dict, list[str]]:
+    """The variant as it applies to this host (pure): its `when:` rules for the host's engine
+    version merged over it; and the rules that applied, described."""
+    return apply_rules(variant, matching_rules(variant, engine_version(facts)))
+
+
+def check_missing_branch(hs: HostSession, variant: dict, facts: dict, launch: Launch) -> None:
+    """The second round trip, only where the facts trip could not hold the check: the host's
+    version selects a combination of `when:` rules that none of the probe versions stood for, so
+    its launch was not among those sent. Its check is added to `facts`."""
+    if _branch_of(facts["sent"], launch) is not None:
+        return
+    branch = {"id": "exact", "argv": list(launch.argv), "env": dict(launch.env, **launch.secret_env)}
+    res, more = _run(hs, [branch], facts["deploy_root"], branch["env"], engines.of_variant(variant).check_program)
+    facts["branches"] = dict(facts.get("branches") or {}, exact=res["branches"]["exact"])
+    facts["sent"] = facts["sent"] + [branch]
+    facts["elapsed_s"] = round(facts["elapsed_s"] + more, 3)
 
 
 def _problem_lines(result: dict, version: str | None, static: bool, engine: str = "sglang") -> list[str]:
@@ -167,37 +241,37 @@ def _visible_gpus(count: int, cvd: str | None) -> int:
 
 
 def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> LaunchCheck:
-    """Validate the variant's launch on this host in one SSH round trip (see the module doc)."""
+    """Validate the variant's launch on this host (see the module doc): the facts round trip,
+    then resolve, render and the verdict, as a deploy runs them."""
+    facts = read_facts(hs, variant, deploy_root=deploy_root)
+    resolved, applied = resolve(variant, facts)
+    launch = render_launch(hs.host, resolved)  # raises the host's branch's own render error
+    check_missing_branch(hs, variant, facts, launch)
+    return verdict(hs.host, variant, resolved, applied, launch, facts, hs.redactor)
+
+
+def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launch: Launch, facts: dict,
+            redact=lambda text: text) -> LaunchCheck:
+    """The launch check's verdict (pure): the host's parser's result on this launch, read from
+    the facts, with the `when:` refusal, the model path, the port and the GPUs; problem and
+    warning lines passed through `redact`."""
     engine = engines.of_variant(variant)
-    branches, ids, table = _branch_inputs(hs, variant)
-    base = next((b for b in branches if b["id"] == ids.get(())), branches[0] if branches else None)
-    res, elapsed = _run(hs, branches, deploy_root, (base or {}).get("env") or {}, engine.check_program)
+    res = facts
     info = res.get("sglang") or {}
     version = info.get("version")
-    key = tuple(matching_rules(variant, version))
-    chosen = ids.get(key)
-    if chosen is None:  # a version none of the probe versions stood for: check its own branch
-        resolved, _ = apply_rules(variant, list(key))
-        launch = render_launch(hs.host, resolved)  # raises the branch's own render error
-        extra = {"id": "exact", "argv": launch.argv, "env": dict(launch.env, **launch.secret_env)}
-        res2, more = _run(hs, [extra], deploy_root, extra["env"], engine.check_program)
-        res["branches"] = dict(res.get("branches") or {}, exact=res2["branches"]["exact"])
-        branches.append(extra)
-        chosen, elapsed = "exact", elapsed + more
-    if isinstance(chosen, ServopsError):
-        raise chosen
-    resolved, applied = apply_rules(variant, list(key))
-    branch = next(b for b in branches if b["id"] == chosen)
-    result = (res.get("branches") or {}).get(chosen) or {}
+    branch = _branch_of(res["sent"], launch)
+    if branch is None:
+        raise ServopsError(f"{host.name}: the facts hold no check of this launch (check_missing_branch runs first)")
+    result = (res.get("branches") or {}).get(branch["id"]) or {}
     parser = info.get("parser")
     static = parser == "static"
-    module = engine.server_module(hs.host)
+    module = engine.server_module(host)
     e = engine.name
     check = LaunchCheck(
-        host=hs.host.name, variant_name=str(variant.get("name", "?")), sglang_version=version, static=static,
+        host=host.name, variant_name=str(variant.get("name", "?")), sglang_version=version, static=static,
         parser=parser, rules=applied, variant=resolved, argv=list(branch["argv"]), ok=True, problems=[],
-        elapsed_s=round(elapsed, 3), note=info.get("note"), host_timings=res.get("timings") or {},
-        branches=len(branches), server_module=module, engine=e)
+        elapsed_s=res.get("elapsed_s", 0.0), note=info.get("note"), host_timings=res.get("timings") or {},
+        branches=len(res["sent"]), server_module=module, engine=e)
     facts = result.get("facts") or {}
     check.facts = {"python": res.get("python"), "python_version": res.get("python_version"),
                    "model": facts.get("model"), "port": res.get("port"), "gpus": res.get("gpus"),
@@ -237,8 +311,8 @@ def check_variant(hs: HostSession, variant: dict, *, deploy_root: str) -> Launch
                         f"models: the launch fails unless something else serves it (--model-impl transformers, "
                         f"an external model package)")
     problems.extend(_fact_problems(check, result, res))
-    check.problems = [hs.redactor(p) for p in problems]
-    check.warnings = [hs.redactor(w) for w in warnings]
+    check.problems = [redact(p) for p in problems]
+    check.warnings = [redact(w) for w in warnings]
     check.ok = not problems
     return check
 

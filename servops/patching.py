@@ -45,8 +45,14 @@ def _run(hs: HostSession, op: str, **args) -> dict:
 
 def status(hs: HostSession, patches: list[Patch], lock_timeout: int = 30) -> list[dict]:
     res = _run(hs, "status", patches=[p.remote_spec() for p in patches], lock_timeout=lock_timeout)
+    return status_rows(patches, res["patches"])
+
+
+def status_rows(patches: list[Patch], entries: list[dict]) -> list[dict]:
+    """The host's patch program's entries (one per patch, in order) as status rows (pure): a
+    version outside a patch's applies_to is a mismatch unless the patch is applied."""
     rows = []
-    for patch, entry in zip(patches, res["patches"]):
+    for patch, entry in zip(patches, entries):
         state = _REMOTE_STATE[entry["state"]]
         if entry["version"] and not patch.version_ok(entry["version"]) and state != APPLIED:
             state = MISMATCH

@@ -1,4 +1,4 @@
-"""Making a host's applied patch set equal a release's: plan (read-only), apply, undo.
+"""Making a host's applied patch set equal a release's: plan (pure, from the host's patch status), apply, undo.
 
 "Applied" comes from the FILES (the host's patch program probes them and reconciles its state
 file), so a patch applied but never recorded is still reverted when a release does not want it.
@@ -15,23 +15,25 @@ class PatchPlanError(ServopsError):
     pass
 
 
-def plan(hs: HostSession, wanted: list[str]) -> list[tuple[str, patchstore.Patch]]:
-    """(action, patch) pairs that make the applied set equal `wanted`; refuses what cannot work."""
-    store = {p.name: p for p in patchstore.all_patches()}
-    missing = [n for n in wanted if n not in store]
+def actions(host_name: str, store: list[patchstore.Patch], rows: list[dict],
+            wanted: list[str]) -> list[tuple[str, patchstore.Patch]]:
+    """The plan (pure), from the status rows of every patch in the store (patching.status_rows):
+    apply what `wanted` lacks, revert what is applied and not wanted."""
+    by_name = {p.name: p for p in store}
+    missing = [n for n in wanted if n not in by_name]
     if missing:
         raise PatchPlanError(f"the variant needs patch {missing[0]!r}, which is not under {patchstore.PATCH_ROOT}/")
-    actions = []
-    for row in patching.status(hs, list(store.values())):
+    out = []
+    for row in rows:
         name = row["patch"]
         if name in wanted and row["state"] != patching.APPLIED:
             if row["state"] in (patching.CONFLICTS, patching.NOT_INSTALLED, patching.MISMATCH):
-                raise PatchPlanError(f"{hs.host.name}: required patch {name} is {row['state']} "
+                raise PatchPlanError(f"{host_name}: required patch {name} is {row['state']} "
                                      f"({row['dist']} {row['version'] or '-'}); see invoke patch.status")
-            actions.append(("apply", store[name]))
+            out.append(("apply", by_name[name]))
         elif name not in wanted and row["state"] == patching.APPLIED:
-            actions.append(("revert", store[name]))
-    return actions
+            out.append(("revert", by_name[name]))
+    return out
 
 
 def run(hs: HostSession, actions: list[tuple[str, patchstore.Patch]], show_diff: bool = False,
@@ -56,10 +58,6 @@ def undo(hs: HostSession, done: list[tuple[str, patchstore.Patch]]) -> None:
             patching.revert(hs, patch)
         else:
             patching.apply(hs, patch, force=True)
-
-
-def sync(hs: HostSession, wanted: list[str], show_diff: bool = False) -> list[str]:
-    return run(hs, plan(hs, wanted), show_diff)
 
 
 def between(current: list[str], target: list[str]) -> list[dict]:

@@ -121,6 +121,12 @@ def listing(hs: HostSession) -> dict:
     return ctl(hs, "releases")
 
 
+def facts(hs: HostSession, patches: list[dict]) -> dict:
+    """`listing` and the state of `patches` (remote specs) in one round trip: the reply's
+    "patches" are patch_op status entries, in order."""
+    return ctl(hs, "facts", patches=patches)
+
+
 def previous_good(releases: list[dict], current: str | None) -> dict | None:
     """The newest release before `current` that came up healthy (failed ones are skipped)."""
     names = [r["name"] for r in releases]

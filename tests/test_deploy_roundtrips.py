@@ -1,8 +1,8 @@
 """The round trips a deploy makes to a host, counted at the SSH layer (HostSession.round_trips:
 one per command, each its own channel; HostSession.programs: which of servops' remote programs,
 in order) over the real sshd lab. The counts are the deploy's contract with a slow link: a
-change that adds a round trip changes this test, on purpose (issue 39: facts, check and plan
-are to share round trips as the stages merge)."""
+change that adds a round trip changes this test, on purpose (issue 39: the facts, the check and
+what the plan needs share one round trip)."""
 
 from __future__ import annotations
 
@@ -21,29 +21,70 @@ def deploy_in_process(inventory_path, variant: str, **options) -> tuple[tuple[st
     return outcome, hs.round_trips, hs.programs
 
 
-PREFLIGHT = ["launch_check", "patch_op:status"]  # the host's parser on the launch; the patch plan
+FACTS = ["launch_check+deploy_facts"]  # one trip: the host's parser on every `when:` branch, release, patch state, lock
 TRANSACTION = ["deploy_ctl:lock", "deploy_ctl:prepare", "deploy_ctl:batch", "deploy_ctl:health", "deploy_ctl:batch",
                "deploy_ctl:unlock"]  # lock; release + guard; stop/switch/start; gate; mark + prune; unlock
 
 
 def test_round_trips_of_a_first_a_repeated_a_forced_and_a_dry_run_deploy(alab):
-    """Today: 9, 3, 8 and 3 round trips. The "unchanged?" question costs its own trip (identity),
-    also on a host with no release yet; folded into one facts program with the preflight, a
-    repeated deploy would be 1 round trip and a first one 7."""
+    """7, 1, 7 and 1 round trips (before the stages merged: 9, 3, 8 and 3). The facts trip
+    answers the launch check, the patch plan and "unchanged?" at once: a repeated deploy is one
+    round trip, a first one the facts plus the transaction's six."""
     lab, inv, port = alab
 
     outcome, trips, programs = deploy_in_process(inv, "baseline")
     assert outcome[0] == "changed", outcome
-    assert programs == PREFLIGHT + ["deploy_ctl:identity"] + TRANSACTION and trips == 9, (trips, programs)
+    assert programs == FACTS + TRANSACTION and trips == 7, (trips, programs)
 
     outcome, trips, programs = deploy_in_process(inv, "baseline")
     assert outcome[0] == "ok" and "unchanged" in outcome[1], outcome
-    assert programs == PREFLIGHT + ["deploy_ctl:identity"] and trips == 3, (trips, programs)
+    assert programs == FACTS and trips == 1, (trips, programs)
 
     outcome, trips, programs = deploy_in_process(inv, "baseline", force=True)
     assert outcome[0] == "changed", outcome
-    assert programs == PREFLIGHT + TRANSACTION and trips == 8, (trips, programs)
+    assert programs == FACTS + TRANSACTION and trips == 7, (trips, programs)
 
     outcome, trips, programs = deploy_in_process(inv, "baseline", dry_run=True, force=True)
     assert outcome[0] == "changed" and "check mode" in outcome[1], outcome
-    assert programs == PREFLIGHT + ["deploy_ctl:releases"] and trips == 3, (trips, programs)
+    assert programs == FACTS and trips == 1, (trips, programs)
+
+
+def verb_in_process(inventory_path, verb, *args, **options) -> tuple[tuple[str, str], int, list[str]]:
+    """A deploy module verb on lab1 as its task runs it: (outcome, round trips, remote programs)."""
+    inventory = load_inventory(inventory_path)
+    with Session(inventory) as session:
+        hs = session.host(inventory.hosts["lab1"])
+        outcome = verb(hs, *args, **options)
+    return outcome, hs.round_trips, hs.programs
+
+
+def test_round_trips_of_a_rollback_and_a_restart(alab):
+    """The releases and the patch state they plan from are one round trip (deploy_ctl:facts),
+    for rollback, restart and start alike (before: releases, then patch_op:status): a rollback
+    7 (was 8), a restart 7 (was 8), either in check mode 1 (was 2)."""
+    lab, inv, port = alab
+    deploy_in_process(inv, "baseline")
+    deploy_in_process(inv, "piecewise")
+
+    outcome, trips, programs = verb_in_process(inv, dep.rollback, dry_run=True)
+    assert outcome[0] == "changed" and "would roll back" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts"] and trips == 1, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.rollback)
+    assert outcome[0] == "changed" and "rolled back" in outcome[1], outcome
+    assert programs == ["deploy_ctl:lock", "deploy_ctl:facts", "patch_op:revert",  # piecewise's patch goes
+                        "deploy_ctl:batch", "deploy_ctl:health", "deploy_ctl:mark", "deploy_ctl:unlock"] \
+        and trips == 7, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "restart", dry_run=True)
+    assert outcome[0] == "changed" and "would restart" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts"] and trips == 1, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "restart")
+    assert outcome[0] == "changed" and "restarted" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts", "deploy_ctl:lock", "deploy_ctl:rearm", "deploy_ctl:batch",
+                        "deploy_ctl:health", "deploy_ctl:batch", "deploy_ctl:unlock"] and trips == 7, (trips, programs)
+
+    outcome, trips, programs = verb_in_process(inv, dep.restart_current, "start")
+    assert outcome[0] == "ok" and "already running" in outcome[1], outcome
+    assert programs == ["deploy_ctl:facts", "deploy_ctl:identity"] and trips == 2, (trips, programs)

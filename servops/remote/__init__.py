@@ -21,7 +21,10 @@ _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
              "host_facts": ["procs", "launch_facts"],
              "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts"],
              "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"],
-             "end_command": ["procs"]}
+             "end_command": ["procs"],
+             # a launch check that also answers what a deploy needs to know (PROGRAM+deploy_facts):
+             # the current release (deploy_ctl's readers, included as a library), the patch state
+             "deploy_facts": ["jsonl", "patch_core", "deploy_ctl"]}
 
 # Programs that only read the host and end within seconds: a warm connection agent may run them
 # in its host-side warm interpreter (warm_runner.py) rather than on a fresh `python -`. Anything
@@ -43,8 +46,10 @@ def standalone(name: str) -> str:
 
 @cache
 def program(name: str) -> str:
-    parts = ["_common"] + _INCLUDES.get(name, []) + [name]
-    return "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text(encoding="utf-8") for p in parts)
+    base, _, extra = name.partition("+")  # "launch_check+deploy_facts": extra's library before base's code
+    parts = ["_common"] + _INCLUDES.get(base, []) + (_INCLUDES.get(extra, []) + [extra] if extra else []) + [base]
+    # _SERVOPS_MAIN: which program runs (deploy_ctl, included as a library, then runs no op)
+    return f"_SERVOPS_MAIN = {name!r}\n" + "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text(encoding="utf-8") for p in parts)
 
 
 def with_args(name: str, args, env: Mapping[str, str] | None = None) -> str:

@@ -230,6 +230,14 @@ def op_releases():
             "leftovers": leftovers, "unfinished": UNFINISHED, "protected": protected(), "pins_damaged": pins_damaged()}
 
 
+def op_facts():
+    """`releases` and the state of the given patches in one round trip: what rollback, start and
+    restart plan from (the patch state as patch.status reads it, after finishing a transaction a
+    killed patch run left behind)."""
+    status = do_status(ARGS["patches"], ARGS.get("lock_timeout", 30)) if ARGS.get("patches") else {}
+    return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"))
+
+
 def op_prepare():
     os.makedirs(RELEASES, mode=0o700, exist_ok=True)
     os.chmod(ROOT, 0o700)
@@ -1004,12 +1012,16 @@ def op_identity():
     """sha256 of a release's launch files (launch.sh, secrets.env, the server files) and whether
     its server runs and answers: what `deploy` compares to skip a pointless restart."""
     require_regular(JOURNAL)  # an unchanged deploy writes nothing, but a broken root is still named
-    name = ARGS.get("name") or current_name()
+    return release_identity(ARGS.get("name") or current_name(), ARGS.get("files") or [])
+
+
+def release_identity(name, files, script=False):
+    """A release's identity (see op_identity); `script`: its launch.sh text too (a --diff)."""
     if not name or not os.path.isdir(os.path.join(RELEASES, name)):
         return {"name": None}
     d = release_dir(name)
     hashes = {}
-    for rel in ARGS.get("files") or []:
+    for rel in files:
         if "/" in rel or rel.startswith("."):
             fail("release file name %r" % rel)
         hashes[rel] = sha256_hex(os.path.join(d, rel)) if os.path.isfile(os.path.join(d, rel)) else None
@@ -1018,8 +1030,16 @@ def op_identity():
     running = bool(proc and proc.get("release") == name)
     health = meta.get("health") if isinstance(meta.get("health"), dict) else {}
     healthy = running and http_ok(int(proc.get("port") or meta.get("port") or 0), health.get("endpoint", "/health"))
-    return {"name": name, "files": hashes, "status": meta.get("status"), "patches": meta.get("patches"),
-            "running": running, "healthy": bool(healthy)}
+    out = {"name": name, "files": hashes, "status": meta.get("status"), "patches": meta.get("patches"),
+           "health": health, "running": running, "healthy": bool(healthy)}
+    if script:
+        path = os.path.join(d, "launch.sh")
+        try:
+            with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:
+                out["launch_sh"] = fh.read(4 << 20).decode("utf-8", "replace")
+        except (OSError, FileProblem):
+            out["launch_sh"] = None
+    return out
 
 
 def op_rearm():
@@ -1366,7 +1386,8 @@ OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare":
        "mark": op_mark, "switch": op_switch, "port_check": op_port_check, "stop": op_stop, "start": op_start,
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
        "journal": op_journal, "disarm": op_disarm, "claim": op_claim, "owns": op_owns,
-       "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm}
+       "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm,
+       "facts": op_facts}
 
 
 def run_op(op):
@@ -1391,12 +1412,14 @@ def op_batch():
 
 
 OPS["batch"] = op_batch
-try:
-    check_root()
-    # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
-    UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
-    out = run_op(ARGS["op"])
-except FileProblem as exc:
-    fail(str(exc))
-out["site"] = []
-reply(out)
+# Run as its own program (not included as a library: the deploy facts read releases through it).
+if _SERVOPS_MAIN == "deploy_ctl":
+    try:
+        check_root()
+        # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
+        UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
+        out = run_op(ARGS["op"])
+    except FileProblem as exc:
+        fail(str(exc))
+    out["site"] = []
+    reply(out)

@@ -6,7 +6,8 @@
 # table cannot decide (a custom action, a value of a custom type not seen before) or the cache
 # is stale or damaged, the real parser runs and the cache is rewritten.
 #
-# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache"}
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache",
+#        "deploy": a deploy's facts request (deploy_facts)}
 # Reply: {"python", "sglang": {"version", "package", "parser": real|cached|static, "note", "prog",
 #         "actions", "unchecked", "cache": the cache's state},
 #         "branches": {id: validate() result + "facts"}, "port": {...}, "gpus": {...} | None,
@@ -196,6 +197,10 @@ def main():
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
     out["gpus"] = gpu_fact()
+    if ARGS.get("deploy"):  # run as PROGRAM+deploy_facts: the current release, patch state, lock
+        t = time.time()
+        out["deploy"] = deploy_facts(ARGS["deploy"])
+        timings["deploy_s"] = round(time.time() - t, 3)
     timings["host_s"] = round(time.time() - _T0, 3)
     out["timings"] = timings
     out["site"] = site_dirs()

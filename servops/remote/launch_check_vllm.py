@@ -5,7 +5,8 @@
 # The real parser's flag table is cached per venv and installed vllm (argtable, launch_cache),
 # as launch_check does for sglang: a later check needs no import of vllm (parser "cached").
 #
-# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache"}
+# ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache",
+#        "deploy": a deploy's facts request (deploy_facts)}
 import time
 
 _T0 = time.time()
@@ -105,6 +106,10 @@ def main():
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
     out["gpus"] = gpu_fact()
+    if ARGS.get("deploy"):  # run as PROGRAM+deploy_facts: the current release, patch state, lock
+        t = time.time()
+        out["deploy"] = deploy_facts(ARGS["deploy"])
+        timings["deploy_s"] = round(time.time() - t, 3)
     timings["host_s"] = round(time.time() - _T0, 3)
     out["timings"] = timings
     out["site"] = site_dirs()

@@ -17,8 +17,8 @@ import time
 # content (rolled back); with it, it finishes the work (rolled forward). Temp files sit beside
 # their target under a dot-name import never loads, and are recorded in the journal and removed
 # by recovery.
-ROOT = patch_state_root()
-TXN = os.path.join(ROOT, "txn")
+PATCH_ROOT = patch_state_root()
+TXN = os.path.join(PATCH_ROOT, "txn")
 STATE_VERSION = 2
 
 
@@ -62,22 +62,22 @@ def read(path):
 
 
 def load_state():
-    state = load_patch_state(ROOT)
+    state = load_patch_state(PATCH_ROOT)
     state["version"] = STATE_VERSION
     return state
 
 
 def save_state(state):
-    write_durable(os.path.join(ROOT, "state.json"), json.dumps(state, indent=1, sort_keys=True).encode())
-    fsync_dir(ROOT)
+    write_durable(os.path.join(PATCH_ROOT, "state.json"), json.dumps(state, indent=1, sort_keys=True).encode())
+    fsync_dir(PATCH_ROOT)
 
 
 class Lock:
     """flock on the venv's patch state: one patch operation at a time per environment."""
 
     def __init__(self, timeout):
-        os.makedirs(ROOT, mode=0o700, exist_ok=True)
-        self.path = os.path.join(ROOT, "lock")
+        os.makedirs(PATCH_ROOT, mode=0o700, exist_ok=True)
+        self.path = os.path.join(PATCH_ROOT, "lock")
         self.timeout = timeout
 
     def __enter__(self):
@@ -148,7 +148,7 @@ def begin(op, patch_name, site, changes, state_after, backup):
     fsync_dir(work)
     fault("%s:journal" % op)
     os.rename(work, TXN)
-    fsync_dir(ROOT)
+    fsync_dir(PATCH_ROOT)
     return journal
 
 
@@ -168,7 +168,7 @@ def end_txn():
     shutil.rmtree(gone, ignore_errors=True)
     if os.path.isdir(TXN):
         os.rename(TXN, gone)
-        fsync_dir(ROOT)
+        fsync_dir(PATCH_ROOT)
     shutil.rmtree(gone, ignore_errors=True)
 
 
@@ -194,7 +194,7 @@ def finish(journal):
             put(site, f["rel"], txn_content("new", f), f["mode"])
     clean_temps(journal)
     backup = journal["backup"]
-    bdir = os.path.join(ROOT, "backups", backup["name"])
+    bdir = os.path.join(PATCH_ROOT, "backups", backup["name"])
     if backup["action"] == "set":
         shutil.rmtree(bdir, ignore_errors=True)
         for f in journal["files"]:
@@ -402,7 +402,7 @@ def files_match(site, record, which):
 
 
 def answer(result, message, diff="", recovered=None):
-    return {"site": site_dirs(), "result": result, "message": message, "diff": diff, "state_root": ROOT,
+    return {"site": site_dirs(), "result": result, "message": message, "diff": diff, "state_root": PATCH_ROOT,
             "recovered": recovered}
 
 
@@ -413,7 +413,7 @@ def do_status(patches, lock_timeout=30):
     with Lock(lock_timeout):
         recovered = recover()
         out = status_rows(patches)
-    return {"site": site_dirs(), "patches": out, "state_root": ROOT, "recovered": recovered}
+    return {"site": site_dirs(), "patches": out, "state_root": PATCH_ROOT, "recovered": recovered}
 
 
 def status_rows(patches):
@@ -438,7 +438,7 @@ def status_rows(patches):
     if dropped:
         for name in dropped:
             state["applied"].pop(name, None)
-            shutil.rmtree(os.path.join(ROOT, "backups", name), ignore_errors=True)
+            shutil.rmtree(os.path.join(PATCH_ROOT, "backups", name), ignore_errors=True)
         save_state(state)
     return out
 
@@ -461,7 +461,7 @@ def do_apply(patch, dry_run=False, expect_version=None, lock_timeout=30):
                 # Applied on disk but not recorded: adopt it, with exact backups from the reverse patch.
                 for rel, _live, before in reverted:
                     if before is not None:
-                        write_durable(os.path.join(ROOT, "backups", patch["name"], rel), before)
+                        write_durable(os.path.join(PATCH_ROOT, "backups", patch["name"], rel), before)
                 state["applied"][patch["name"]] = record_for(
                     patch, version, [(rel, before, live) for rel, live, before in reverted], adopted=True)
                 save_state(state)
@@ -483,7 +483,7 @@ def do_revert(patch, dry_run=False, lock_timeout=30):
         check_targets(site, patch)
         state = load_state()
         record = state["applied"].get(patch["name"])
-        backup = os.path.join(ROOT, "backups", patch["name"])
+        backup = os.path.join(PATCH_ROOT, "backups", patch["name"])
         exact = bool(record) and files_match(site, record, "after")
         if exact:
             # Exact restore from the backup: every file is still as servops left it.
@@ -543,7 +543,7 @@ def do_pristine(file):
     pristine = None
     for name, record in state["applied"].items():
         if rel in record.get("files", {}) and record["files"][rel]["before"]:
-            pristine = read(os.path.join(ROOT, "backups", name, rel))
+            pristine = read(os.path.join(PATCH_ROOT, "backups", name, rel))
             source = "servops backup of patch %s" % name
             break
     if pristine is None:

@@ -64,7 +64,7 @@ def main():
         return do_pristine(ARGS["file"])
     if op == "recover":
         with Lock(timeout):
-            return {"site": site_dirs(), "recovered": recover(), "state_root": ROOT}
+            return {"site": site_dirs(), "recovered": recover(), "state_root": PATCH_ROOT}
     fail("unknown patch op %r" % op)
 
 
