@@ -14,7 +14,6 @@ import difflib
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

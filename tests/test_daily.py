@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -215,7 +214,7 @@ def test_4_a_campaign_never_prunes_the_release_it_started_from_nor_its_base_and_
     assert leave["release"] == best
     # resuming the finished campaign says what is deployed now; nothing runs
     res = run_invoke("tune", str(camp), "--resume", inventory=inv, env=env)
-    assert res.returncode == 0 and f"lab1 : ok - campaign finished earlier" in res.stdout
+    assert res.returncode == 0 and "lab1 : ok - campaign finished earlier" in res.stdout
     assert f"deployed now: {best}" in res.stdout
 
 

@@ -17,7 +17,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from conftest import REPO, bench_script
+from conftest import bench_script
 from servops import patching
 from servops.patchstore import find_patch
 
