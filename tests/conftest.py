@@ -256,6 +256,7 @@ def lab(tmp_path, sshd_hosts, ssh_client_key, venv):
     on the shared venv, and a later test's patch change would be refused for it."""
     yield LabFactory(tmp_path, sshd_hosts, ssh_client_key, venv)
     end_guards(tmp_path)
+    end_servers(tmp_path)
 
 
 def live_guards(tmp_path: Path) -> list[int]:
@@ -269,6 +270,25 @@ def live_guards(tmp_path: Path) -> list[int]:
         except (OSError, ValueError, TypeError, AttributeError):
             continue
     return pids
+
+
+def end_servers(tmp_path: Path) -> None:
+    """Every process still running in a release directory of the lab's deploy roots (a server a
+    test left up, its TP workers, one a guard brought back): a test that ends without `stop`
+    would otherwise leave it serving, and loading the machine, for the rest of the run."""
+    roots = [str(d.resolve()) + os.sep for d in tmp_path.glob("deploy-*")]
+    if not roots:
+        return
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(proc / "cwd") + os.sep
+        except OSError:
+            continue
+        if any(cwd.startswith(root) for root in roots) and int(proc.name) != os.getpid():
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                continue
 
 
 def end_guards(tmp_path: Path) -> None:
