@@ -138,14 +138,20 @@ def pytest_collection_modifyitems(config, items):
         group = parallel_group(item)
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
-    # xdist hands out the groups first (the largest first: --loadscope-reorder); the single tests
-    # follow in this order: those on the lab or a server first, the quick ones last, to fill the
-    # tail while the last lab tests finish (longest first).
+    # xdist hands out work in this order (pyproject: --no-loadscope-reorder, which would order the
+    # groups by their number of tests): the longest chain first -- the real vLLM's group, ~10 min
+    # on one worker, which as the second unit of a busy worker was the last 8 minutes of the run --
+    # then the other groups, the single lab tests, and the quick ones last to fill the tail.
     items.sort(key=run_order)
 
 
 def run_order(item) -> int:
-    return 1 if item.get_closest_marker("quick") else 0
+    group = parallel_group(item)
+    if group == "vllm":
+        return 0
+    if group:
+        return 1
+    return 3 if item.get_closest_marker("quick") else 2
 
 
 def clear_stale_shell_lock() -> None:

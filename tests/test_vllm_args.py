@@ -140,7 +140,7 @@ def test_a_second_check_reads_the_cached_table_with_the_real_parsers_verdict(vll
     cached = next((root / ".launch-cache").glob("vllm-*.json"))
     assert cached.stat().st_mode & 0o777 == 0o600
     second = launch_check(vllm_venv, root, cases)
-    assert second["engine"]["parser"] == "cached" and second["engine"]["cache"] == "hit"
+    assert second["engine"]["parser"] == "cached" and second["engine"]["cache"] == "hit", second["engine"]
     assert verdicts(second) == verdicts(first)  # refusals with vLLM's messages, warnings, values: all the same
     assert "parser_s" not in second["timings"]  # vllm was not imported
     # a value of a flag vLLM converts with its own function, never seen: the real parser decides
