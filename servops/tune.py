@@ -32,10 +32,10 @@ from pathlib import Path
 from . import bench, interrupt, localfiles, releases, threadout, verdict
 from .campaign import Campaign, Trial, _layer
 from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, fleet_repeat_decision,
-                             fleet_winner, is_number, log_path, objective_text, read_log, rebench_finalists,
-                             rebench_runs, repeat_decision, standings, start_text, trial_runs, trial_states)
+                             fleet_winner, is_number, log_path, min_gain, objective_text, read_log, rebench_finalists,
+                             rebench_runs, repeat_decision, repeat_text, standings, start_text, trial_runs,
+                             trial_states)
 from .campaignrecord import done_entries as logged_done
-from .campaignrecord import min_gain, repeat_text
 from .deploy import deploy_group, preflight, restart_current
 from .errors import ServopsError
 from .gate import num
