@@ -125,7 +125,7 @@ def validate(variant: dict, nodes: list[HostSession], gate: list | None, push_ur
 
 # ---- deploy ----------------------------------------------------------------------------------
 
-def launch_identity(hs: HostSession, variant: dict, launch: Launch, patches: list[str]) -> dict[str, str]:
+def launch_identity(hs: HostSession, variant: dict, launch: Launch) -> dict[str, str]:
     """sha256 of what the server runs from a release: its launch script, secrets file and server
     files (not release.json or variant.yml: their timestamps and metadata restart nothing)."""
     return stages.digests(stages.launch_files(hs.host, variant, launch))

@@ -36,7 +36,8 @@ from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_
                              rebench_runs, repeat_decision, repeat_text, standings, start_text, trial_runs,
                              trial_states)
 from .campaignrecord import done_entries as logged_done
-from .deploy import deploy_group, preflight, restart_current
+from .deploy import deploy_group, launch_identity, preflight, restart_current
+from .deploystages import LAUNCH_FILES
 from .errors import ServopsError
 from .gate import num
 from .output import CHANGED, console, err_console, is_tty, make_console
@@ -1152,14 +1153,12 @@ class Runner:
     def _release_of(self, trial_id: str, trial: Trial) -> str | None:
         """The release a finished trial ran, when it is still on the host and its launch files
         equal what the trial renders to now."""
-        from .deploy import launch_identity
-
         done = next((e for e in self.done_entries() if e["trial"] == trial_id and e.get("release")), None)
         if not done:
             return None
         resolved, launch, _check = preflight(self.hs, trial.variant)
-        ours = launch_identity(self.hs, resolved, launch, list(resolved["patches"]))
-        names = sorted(set(ours) | {"launch.sh", "secrets.env"})
+        ours = launch_identity(self.hs, resolved, launch)
+        names = sorted(set(ours) | set(LAUNCH_FILES))
         theirs = releases.ctl(self.hs, "identity", name=done["release"], files=names)
         if theirs.get("name") != done["release"] or any((theirs.get("files") or {}).get(n) != ours.get(n) for n in names):
             return None
