@@ -272,10 +272,13 @@ class Runner:
 
     @property
     def total(self) -> int | str:
-        """The counter's denominator: the trials of a grid, the budget of a search."""
-        if self.study is None:
-            return len(self.trials)
-        return self.camp.max_trials or "?"
+        """The counter's denominator: the trials of a grid, the budget of a search. A fleet
+        counts every host's trials against one budget (k = the fleet's count), each host with
+        its own base: the grid's trials plus the other hosts' bases, at most the budget."""
+        if self.study is not None:
+            return self.camp.max_trials or "?"
+        runs = len(self.trials) + (len(self.fleet.runners) - 1 if self.fleet is not None else 0)
+        return min(runs, self.camp.max_trials) if self.fleet is not None and self.camp.max_trials else runs
 
     def _rebuild_search_trials(self) -> None:
         """--resume: the points this host ran before, as trials (the winner may be one of them)."""

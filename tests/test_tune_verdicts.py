@@ -7,6 +7,7 @@ start and under load teach the TPE search; --warm-start asks an earlier campaign
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -254,6 +255,8 @@ def test_a_fleet_campaign_repeats_rebenches_and_shows_intervals_as_one_host_does
         # the console and the report: the fleet's noise, every interval, runs and why repeating stopped
         assert "80% intervals, noise" in res.stdout and how.startswith(f"{verdict.pooled_noise(runs_all).sd * 100:.1f}% per run")
         assert "runs (why repeating stopped)" in res.stdout
+        counters = [tuple(map(int, m)) for m in re.findall(r"^lab\d \[(\d+)/(\d+)\]", res.stdout, re.M)]
+        assert counters and all(k <= n for k, n in counters), counters  # each host's base counts in the total
         for h in hosts:  # each done line: the fleet's verdict as it stood then (against the fleet's incumbent)
             for d in done_by_host[h]:
                 line = next(l for l in res.stdout.splitlines() if l.startswith(f"{h} [") and f" {d['trial']} " in l
