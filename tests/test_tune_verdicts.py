@@ -77,7 +77,15 @@ def test_repeats_until_sure_rebench_and_start_up_in_the_report(noisy_lab):
     for d in ok.values():
         assert 1 <= len(d["runs"]) <= 3 and d["objective"] == pytest.approx(statistics.fmean(d["runs"]))
         assert d["repeat_stop"] and d["objective_ci"][0] < d["objective"] < d["objective_ci"][1]
-    assert any(len(d["runs"]) > 1 for t, d in ok.items() if t != "base")   # the noise made a verdict unsure
+    # a trial benched once was settled on that run; one benched again was unsure each time before
+    # (which of them the noise leaves unsure depends on the machine's speed: the noise is real)
+    lines = res.stdout.splitlines()
+    for t, d in ok.items():
+        unsure = [l for l in lines if f" {t} " in l and " repeat " in l and "unsure:" in l]
+        if t != "base" and len(d["runs"]) == 1:
+            assert d["repeat_stop"].startswith(("better:", "worse:", "cannot matter:")), d["repeat_stop"]
+        elif t != "base":
+            assert len(unsure) == len(d["runs"]) - 1, (t, d["runs"], unsure)
     # start-up: time to healthy and the capture the double logged, as sglang logs it (1, 2, 4: 3 sizes)
     for d in done.values():
         assert d["start"]["start_s"] > 0 and d["start"]["capture_s"] >= 0.0
@@ -101,7 +109,6 @@ def test_repeats_until_sure_rebench_and_start_up_in_the_report(noisy_lab):
     leave = next(e for e in entries if e.get("phase") == "leave")
     assert chosen in leave["label"]
     # the console: a phase line per repeat and per re-bench, the verdict with its interval, the start-up
-    lines = res.stdout.splitlines()
     assert any(" verdict " in l and "(80%) over" in l for l in lines), res.stdout
     assert not rebenched or any(" rebench " in l and "round 1/3" in l for l in lines), res.stdout
     assert any(" deploy " in l and "; start to healthy" in l and "capture" in l for l in lines), res.stdout
