@@ -23,7 +23,7 @@ import yaml
 from . import deploystages as stages
 from . import engines, interrupt, patchplan, patchstore, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
-from .deploylock import host_lock
+from .deploylock import DEFAULT_STALE_AFTER, check_mode_note, host_lock
 from .errors import ServopsError
 from .launchcheck import (LaunchCheck, check_missing_branch, check_variant, raise_if_refused, read_facts, resolve,
                           verdict)
@@ -193,7 +193,10 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         if diff:
             for (hs, _resolved, launch, _actions), (p, facts) in zip(prepared, plans):
                 _print_plan_diff(hs, facts, p, launch)
-        return CHANGED, "; ".join(p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans))
+        notes = [check_mode_note(facts["deploy"].get("lock"), float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)),
+                                 break_lock) for (hs, *_), (_p, facts) in zip(prepared, plans)]
+        return CHANGED, "; ".join([p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans)]
+                                  + [f"{hs.host.name}: {n}" for (hs, *_), n in zip(prepared, notes) if n])
     with ExitStack() as stack:
         locks = []
         for hs in nodes:

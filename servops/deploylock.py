@@ -66,6 +66,20 @@ def describe(held: dict) -> str:
     return f"{who} pid {held.get('pid') or held.get('host_pid')} ({held.get('action')}, since {held.get('acquired_at')})"
 
 
+def check_mode_note(lock: dict | None, stale_after: float, break_lock: bool) -> str | None:
+    """Check mode: what the real run would meet at the deploy lock, from the lock record the
+    facts trip read (with its age): None where the lock is free."""
+    if not lock:
+        return None
+    held = {k: v for k, v in lock.items() if k != "age"}
+    reason = is_stale(held, float(lock.get("age") or 0.0), stale_after)
+    if reason or break_lock:
+        return f"the deploy lock is held by {describe(held)}: the real run would break it " \
+               f"({f'stale: {reason}' if reason else '--break-lock'})"
+    return f"the deploy lock is held by {describe(held)}: the real run would refuse unless it is released " \
+           f"first (or pass --break-lock if that operation is dead)"
+
+
 @contextmanager
 def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int | None = None, wait: float = 0.0,
               supersede: bool = False):

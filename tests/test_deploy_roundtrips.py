@@ -88,3 +88,35 @@ def test_round_trips_of_a_rollback_and_a_restart(alab):
     outcome, trips, programs = verb_in_process(inv, dep.restart_current, "start")
     assert outcome[0] == "ok" and "already running" in outcome[1], outcome
     assert programs == ["deploy_ctl:facts", "deploy_ctl:identity"] and trips == 2, (trips, programs)
+
+
+def test_a_dry_run_says_what_the_deploy_lock_would_do_and_leaves_it(alab):
+    """The facts trip reads the deploy lock: check mode names its holder and what the real run
+    would do (refuse, or break a stale one), in the same one round trip, and leaves the lock."""
+    import json
+    import socket
+    import subprocess
+
+    from tests.conftest import root_of
+
+    lab, inv, _port = alab
+    assert deploy_in_process(inv, "baseline")[0][0] == "changed"
+    lock = root_of(lab) / "deploy.lock"
+    live = {"id": "f" * 32, "who": "ana@example.org", "controller": "another-controller", "pid": 4242,
+            "action": "deploy piecewise", "acquired_at": "2026-12-06T10:00:00Z"}
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid of this machine that has ended
+    try:
+        for holder, said in ((live, "the real run would refuse unless it is released first"),
+                             (dict(live, controller=socket.gethostname(), pid=dead.pid),
+                              f"the real run would break it (stale: its owner pid {dead.pid} is gone)")):
+            lock.write_text(json.dumps(holder))
+            before = lock.read_bytes(), lock.stat().st_mtime_ns
+            outcome, trips, programs = deploy_in_process(inv, "baseline", dry_run=True, force=True)
+            assert outcome[0] == "changed" and "check mode" in outcome[1], outcome
+            assert f"lab1: the deploy lock is held by ana@example.org pid {holder['pid']} (deploy piecewise" \
+                in outcome[1] and said in outcome[1], outcome
+            assert programs == FACTS and trips == 1, (trips, programs)
+            assert (lock.read_bytes(), lock.stat().st_mtime_ns) == before
+    finally:
+        lock.unlink(missing_ok=True)

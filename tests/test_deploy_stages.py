@@ -247,3 +247,19 @@ def test_malformed_deploy_facts_are_one_line_before_any_use(found):
     with pytest.raises(RemoteError, match="^h1: the deploy facts are malformed"):
         _check_deploy_reply("h1", found)
     _check_deploy_reply("h1", host_facts(load_variant("baseline"))["deploy"])
+
+
+def test_check_mode_names_what_the_deploy_lock_would_do():
+    from servops.deploylock import check_mode_note
+
+    assert check_mode_note(None, 3600, False) is None
+    far = {"id": "a" * 32, "who": "bo", "controller": "elsewhere", "pid": 7, "action": "tune", "acquired_at": "t",
+           "age": 10.0}
+    assert "would refuse unless it is released first" in check_mode_note(far, 3600, False)
+    assert check_mode_note(far, 3600, True).endswith("would break it (--break-lock)")
+    assert check_mode_note(dict(far, age=7200.0), 3600, False).endswith(
+        "would break it (stale: it is 7200s old (lock_stale_after=3600))")
+    unreadable = {"id": None, "unreadable": True, "size": 0, "mtime": 1.0, "age": 1.0}
+    assert check_mode_note(unreadable, 3600, False) == ("the deploy lock is held by an unreadable lock file: the real "
+                                                        "run would break it (stale: the lock file is empty or "
+                                                        "unreadable (0 bytes))")
