@@ -20,6 +20,8 @@ verdicts are tune's own code:
   on this noise (the goal, >= 90% at 2x, lies above it).
 
     .venv/bin/python bench/tune_verdict.py      # last lines: wins of 10 seeds and benches, both
+    .venv/bin/python bench/tune_verdict.py --frontier   # and every max_repeats / confidence /
+        rebench_top setting's long-run rate and benches: the best any of them gets at <= 2x today
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ SEEDS = range(10)
 MORE_SEEDS = range(1000)   # the long-run rate, for the record
 
 
-def campaign(max_repeats: int):
+def campaign(max_repeats: int, **objective):
     d = Path(tempfile.mkdtemp())
+    more = "".join(f", {k}: {v}" for k, v in objective.items())
     (d / "c.yml").write_text("base: baseline\nbench: {levels: [16]}\nobjective: {maximize: output_tps@16"
-                             + (f", max_repeats: {max_repeats}" if max_repeats > 1 else "") + "}\n")
+                             + (f", max_repeats: {max_repeats}" if max_repeats > 1 else "") + more + "}\n")
     return load_campaign(str(d / "c.yml"))
 
 
@@ -146,6 +149,28 @@ def main() -> None:
     (w0, b0), (w1, b1) = rows["today"], rows["sequential"]
     print(f"wins: {w1}/{len(SEEDS)} vs today's {w0}/{len(SEEDS)} (goal >= 9/10)")
     print(f"benches: {b1:.1f} vs today's {b0:.1f} = {b1 / b0:.2f}x (goal <= 2x)")
+    if "--frontier" in sys.argv:
+        frontier(2 * b0)
+
+
+def frontier(limit: float, seeds=range(400)) -> None:
+    """Every setting of the knobs a campaign has: its long-run rate and benches, and the best
+    rate among those within `limit` benches."""
+    within = []
+    for max_repeats in (2, 3):
+        for confidence in (0.8, 0.9, 0.95):
+            for top in (2, 3, 4):
+                camp = campaign(max_repeats, confidence=confidence, rebench_top=top)
+                wins, benches = score(sequential, camp, seeds)
+                rate, mean = wins / len(seeds), statistics.fmean(benches)
+                print(f"  max_repeats {max_repeats}, {confidence:.0%} intervals, re-bench top {top}: "
+                      f"{rate:.1%} at {mean:.1f} benches")
+                if mean <= limit:
+                    within.append((rate, mean, max_repeats, confidence, top))
+    best = max(within, default=None)
+    print(f"frontier: at <= {limit:.1f} benches the best setting wins {best[0]:.1%} of {len(seeds)} seeds "
+          f"(max_repeats {best[2]}, {best[3]:.0%} intervals, re-bench top {best[4]}, {best[1]:.1f} benches)"
+          if best else f"frontier: no setting stays within {limit:.1f} benches")
 
 
 if __name__ == "__main__":
