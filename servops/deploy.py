@@ -176,6 +176,8 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         raise_if_refused(check, hs.host.name)
         hs.redactor.add(launch.secret_env.values())  # as rendered (a value may be a template)
         phases.step("preflight", f"{hs.host.name}: {check.summary()}" + "".join(f"; rule: {r}" for r in check.rules))
+        for w in check.warnings:  # what the check could not settle, or found on the host (GPU memory held)
+            phases.step("warning", f"{hs.host.name}: {w}")
         # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
         wanted = [] if skip_patches else list(resolved.get("patches") or [])
         prove_call_sites(hs, wanted, phases)

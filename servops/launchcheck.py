@@ -233,6 +233,30 @@ def _fact_problems(check: LaunchCheck, result: dict, res: dict) -> list[str]:
     return problems
 
 
+def gpu_user_warnings(users: list[dict]) -> list[str]:
+    """The GPU memory holders servops did not start (launch_facts.gpu_users), as warnings: the
+    new server gets that much less memory than its memory fraction assumes."""
+    def listed(group: list[dict]) -> str:
+        shown = [f"pid {u['pid']}{' ' + u['name'] if u.get('name') else ''} on GPU "
+                 f"{u['gpu'] if u.get('gpu') is not None else '?'}"
+                 + (f" ({u['used_mib']:,.0f} MiB)" if u.get("used_mib") is not None else "") for u in group[:4]]
+        more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+        total = sum(u["used_mib"] for u in group if u.get("used_mib") is not None)
+        return ", ".join(shown) + more + (f"; {total / 1024:,.1f} GiB in all" if total else "")
+
+    foreign = [u for u in users if u.get("ours") is False]
+    unseen = [u for u in users if u.get("ours") is None]
+    out = []
+    if foreign:
+        out.append(f"GPU memory is held by {len(foreign)} process(es) servops did not start: {listed(foreign)}; "
+                   f"the new server gets that much less than its memory fraction assumes (stop them, or lower "
+                   f"--mem-fraction-static)")
+    if unseen:
+        out.append(f"GPU memory is held by {len(unseen)} process(es) this host's /proc cannot see (another "
+                   f"container's pids?): {listed(unseen)}")
+    return out
+
+
 def _visible_gpus(count: int, cvd: str | None) -> int:
     if cvd is None:
         return count
@@ -311,6 +335,8 @@ def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launc
                         f"models: the launch fails unless something else serves it (--model-impl transformers, "
                         f"an external model package)")
     problems.extend(_fact_problems(check, result, res))
+    if module not in DOUBLE_MODULES:
+        warnings.extend(gpu_user_warnings((res.get("gpus") or {}).get("users") or []))
     check.problems = [redact(p) for p in problems]
     check.warnings = [redact(w) for w in warnings]
     check.ok = not problems
@@ -363,7 +389,12 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
     elif gpus.get("count") is None:
         rows.append(("GPUs", f"{needed or '?'} needed; {gpus.get('error')}"))
     else:
-        rows.append(("GPUs", f"{needed or '?'} needed; nvidia-smi shows {gpus['count']}"))
+        users = gpus.get("users")
+        held = ("" if users is None else "; GPU memory: " + (
+            "no process holds any" if not users else
+            f"{sum(u.get('ours') is True for u in users)} of servops' server, "
+            f"{sum(u.get('ours') is not True for u in users)} other process(es)"))
+        rows.append(("GPUs", f"{needed or '?'} needed; nvidia-smi shows {gpus['count']}{held}"))
     timings = check.host_timings
     detail = ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in timings.items() if isinstance(v, (int, float)))
     rows.append(("round trip", f"{check.elapsed_s:.2f}s, 1 SSH command, {check.branches} argv(s) parsed"

@@ -108,7 +108,32 @@ def no_agent_outlives_the_tests():
 LAB_FIXTURES = {"sshd_hosts", "remote_env", "sglang_venvs", "vllm_venv", "double"}
 
 
+class GroupsApplied:
+    """Where pytest-xdist's --dist loadgroup did not apply the groups (it marks a grouped test's
+    id with @group), every grouped test fails at once, saying why: with pytest 9.2 and xdist 3.8
+    the groups were silently dropped, and the real vLLM's tests, each module's shared fixture and
+    the lab venv's users ran side by side on several workers (one test edited a vLLM file while
+    another's cache check read it). (A worker that stops instead is lost in xdist's own error.)"""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+                item.add_marker(pytest.mark.groups_lost)
+
+
+@pytest.fixture(autouse=True)
+def xdist_groups_applied(request):
+    if request.node.get_closest_marker("groups_lost"):
+        pytest.fail(f"pytest-xdist did not apply this test's xdist_group with pytest {pytest.__version__}: install "
+                    f"the pytest that pyproject.toml pins (.venv/bin/python -m pip install -e '.[dev]')", pytrace=False)
+
+
 def pytest_configure(config):
+    config.pluginmanager.register(GroupsApplied(), "servops-groups-applied")
+    config.addinivalue_line("markers", "groups_lost: pytest-xdist did not apply its xdist_group (set by conftest)")
     config.addinivalue_line("markers", "quick: needs no lab and no server (set by conftest from the fixtures used)")
     config.addinivalue_line("markers", "lab_home: starts a lab of its own (invoke lab.up) on the one lab venv")
     config.addinivalue_line("markers", "sweep: walks every release of a package from the wheel cache (not quick)")

@@ -11,6 +11,7 @@ release through its real parser.
 """
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -300,3 +301,17 @@ def test_the_double_without_sglang_serves_the_newest_shapes(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_deploy_shows_the_checks_warnings_before_anything_stops(lab, sglang_release, tmp_path):
+    """A deprecated spelling passes the check with a warning: the deploy prints it as a phase
+    line (the check's warnings are the deploy's too), in check mode as in a real run."""
+    env = sglang_release("0.5.15")
+    inv, _port = release_lab(lab, env, tmp_path)
+    books = playbooks_with(tmp_path, oldspelling="extends: baseline\nserver_args: {stream-output: true}\n")
+    res = run_invoke("deploy", "--variant", "oldspelling", "--dry-run", inventory=inv,
+                     env={"SERVOPS_PLAYBOOKS": str(books)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"\] warning +lab1: --stream-output: deprecated; use --incremental-streaming-output "
+                     r"\(sglang 0\.5\.15\)", res.stdout), res.stdout
+    assert not (lab.tmp / "deploy-lab1" / "releases").exists() or not any((lab.tmp / "deploy-lab1" / "releases").iterdir())

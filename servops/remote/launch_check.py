@@ -196,7 +196,7 @@ def main():
         out["branches"][ident] = result
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
-    out["gpus"] = gpu_fact()
+    out["gpus"] = gpu_fact(root)
     if ARGS.get("deploy"):  # run as PROGRAM+deploy_facts: the current release, patch state, lock
         t = time.time()
         out["deploy"] = deploy_facts(ARGS["deploy"])

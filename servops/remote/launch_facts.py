@@ -30,7 +30,11 @@ def port_fact(port, root):
     return {"port": int(port), "state": "busy"}
 
 
-def gpu_fact():
+def gpu_fact(root=None):
+    """The GPUs nvidia-smi lists; with a deploy root, also who holds GPU memory now ("users"):
+    a process servops did not start there (another job, a notebook) leaves the new server less
+    memory than its --mem-fraction-static assumes, so the launch check names it before anything
+    stops."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
@@ -41,7 +45,43 @@ def gpu_fact():
     if out.returncode != 0:
         return {"count": None, "error": "nvidia-smi -L exited %d: %s" % (out.returncode, (out.stderr or out.stdout).strip()[:200])}
     names = [l.strip() for l in out.stdout.splitlines() if l.strip().startswith("GPU ")]
-    return {"count": len(names), "names": names[:16]}
+    fact = {"count": len(names), "names": names[:16]}
+    if root is not None:
+        apps = gpu_apps()
+        if apps is None:
+            fact["users_error"] = "nvidia-smi --query-compute-apps gave no answer"
+        else:
+            ours = our_server(root)
+            fact["users"] = gpu_users(apps, gpu_indexes(out.stdout), ours and ours["pid"])
+    return fact
+
+
+def gpu_indexes(listing):
+    """{GPU UUID: index} from `nvidia-smi -L` ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-...)")."""
+    indexes = {}
+    for line in listing.splitlines():
+        line = line.strip()
+        head, sep, rest = line.partition(":")
+        if not sep or not head.startswith("GPU ") or "(UUID: " not in rest:
+            continue
+        try:
+            indexes[rest.rsplit("(UUID: ", 1)[1].rstrip(")").strip()] = int(head[4:])
+        except ValueError:
+            continue
+    return indexes
+
+
+def gpu_users(apps, indexes, our_pid):
+    """Each GPU memory holder (procs.gpu_apps) with its GPU's index and whether it is servops'
+    server: in the session the server leads (its TP workers are its children, never a session
+    of their own). ours None: this /proc cannot see the pid (nvidia-smi reports pids of another
+    pid namespace in a container)."""
+    users = []
+    for app in apps[:64]:
+        fields = _proc_stat(app["pid"])
+        users.append(dict(app, name=app["name"][:80], gpu=indexes.get(app["gpu_uuid"]),
+                          ours=None if fields is None else bool(our_pid) and fields[3] == str(our_pid)))
+    return users
 
 
 def model_fact(path):

@@ -251,28 +251,33 @@ def port_holders(port, pids=None):
 
 
 def gpu_apps():
-    """[{pid, name, used_mib}] of nvidia-smi's compute apps; None where there is no nvidia-smi."""
+    """[{pid, gpu_uuid, used_mib, name}] of nvidia-smi's compute apps; None where there is no
+    nvidia-smi or it gives no answer."""
     import shutil
     import subprocess
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory,process_name",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_gpu_apps(out)
+    return parse_gpu_apps(out.stdout) if out.returncode == 0 else None
 
 
 def parse_gpu_apps(text):
+    """Rows of --query-compute-apps=pid,gpu_uuid,used_memory,process_name (csv, noheader,
+    nounits). The name is the workload's and may hold commas: it is the last column, taken
+    whole. used_mib None where the driver reports none ([N/A], [Insufficient Permissions]);
+    a row without a numeric pid (a header, "No running processes found") is skipped."""
     apps = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 3 and parts[0].isdigit():
+        if len(parts) >= 4 and parts[0].isdigit():
             try:
-                used = float(parts[-1])
+                used = float(parts[2])
             except ValueError:
                 used = None
-            apps.append({"pid": int(parts[0]), "name": ",".join(parts[1:-1]), "used_mib": used})
+            apps.append({"pid": int(parts[0]), "gpu_uuid": parts[1], "used_mib": used, "name": ",".join(parts[3:])})
     return apps
