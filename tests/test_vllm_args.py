@@ -139,18 +139,7 @@ def test_a_second_check_reads_the_cached_table_with_the_real_parsers_verdict(vll
     assert first["engine"]["parser"] == "real" and first["engine"]["cache"] == "missing; written"
     cached = next((root / ".launch-cache").glob("vllm-*.json"))
     assert cached.stat().st_mode & 0o777 == 0o600
-    first_read = {row[0]: row[1:] for row in json.loads(cached.read_text())["read"]}
     second = launch_check(vllm_venv, root, cases)
-    if second["engine"]["cache"].startswith("stale: sources changed ("):
-        # The vLLM venv reads its dependencies from the shared base venv, where another worker's
-        # test may write a file the parser loaded: then the cache was right to go stale. Only a
-        # file outside vLLM whose size or mtime truly changed excuses it, and the next check,
-        # with nothing changed since, must hit.
-        changed = second["engine"]["cache"].split("(", 1)[1].rsplit(")", 1)[0]
-        assert not changed.startswith(first["engine"]["package"]), second["engine"]["cache"]
-        now = Path(changed).stat() if Path(changed).exists() else None
-        assert now is None or [now.st_size, now.st_mtime_ns] != first_read.get(changed), second["engine"]["cache"]
-        second = launch_check(vllm_venv, root, cases)
     assert (second["engine"]["parser"], second["engine"]["cache"]) == ("cached", "hit")
     assert verdicts(second) == verdicts(first)  # refusals with vLLM's messages, warnings, values: all the same
     assert "parser_s" not in second["timings"]  # vllm was not imported
