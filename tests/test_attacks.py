@@ -215,7 +215,8 @@ def test_hostile_yaml_files_are_one_line_and_change_nothing(alab, tmp_path):
 
 @pytest.mark.parametrize("content,needle", [("[" * 200_000, "nested too deeply"),
                                              ('{"prompt": ' + "[" * 200_000 + "\n", "is not JSON"),
-                                             ('["not", "an object"]\n{"prompt": 1}\n' + '{"a": 1}\n', None)])
+                                             ('["not", "an object"]\n{"prompt": 1}\n' + '{"a": 1}\n', None)],
+                         ids=["nested", "nested-line", "not-objects"])  # a 200 kB id overflows PYTEST_CURRENT_TEST
 def test_hostile_dataset_files_are_one_line(lab, tmp_path, content, needle):
     ds = tmp_path / "ds.json"
     ds.write_text(content)
