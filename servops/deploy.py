@@ -195,10 +195,9 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         if diff:
             for (hs, _resolved, launch, _actions), (p, facts) in zip(prepared, plans):
                 _print_plan_diff(hs, facts, p, launch)
-        notes = [check_mode_note(facts["deploy"].get("lock"), float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)),
-                                 break_lock) for (hs, *_), (_p, facts) in zip(prepared, plans)]
-        return CHANGED, "; ".join([p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans)]
-                                  + [f"{hs.host.name}: {n}" for (hs, *_), n in zip(prepared, notes) if n])
+        return CHANGED, "; ".join(p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans)) \
+            + "".join(_lock_note(hs, facts["deploy"], break_lock).replace("; ", f"; {hs.host.name}: ", 1)
+                      for (hs, *_), (_p, facts) in zip(prepared, plans))
     with ExitStack() as stack:
         locks = []
         for hs in nodes:
@@ -495,6 +494,12 @@ def release_facts(hs: HostSession) -> tuple[dict, list[patchstore.Patch]]:
     return state, store
 
 
+def _lock_note(hs: HostSession, facts: dict, break_lock: bool) -> str:
+    """"; <what the real run would meet at the deploy lock>" for a check mode's line, or ""."""
+    note = check_mode_note(facts.get("lock"), float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)), break_lock)
+    return f"; {note}" if note else ""
+
+
 def plan_patches(hs: HostSession, state: dict, store: list[patchstore.Patch], wanted: list[str]) -> list:
     """(action, patch) pairs that make the host's applied set `wanted`, from release_facts (pure)."""
     from . import patching
@@ -580,7 +585,8 @@ def rollback(hs: HostSession, to: str | None = None, dry_run: bool = False, brea
                 patching.print_diff(hs.host.name, res["diff"])
         actions = [f"{a} {p.name}" for a, p in plan]
         return CHANGED, (f"would roll back {state['current']} -> {target['name']}"
-                         + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)")
+                         + (f"; patches: {', '.join(actions)}" if actions else "") + " (check mode)"
+                         + _lock_note(hs, state, break_lock))
     with host_lock(hs, "rollback", break_lock, supersede=True):
         try:
             return CHANGED, _rollback_locked([hs], to, show_diff=diff)
@@ -664,7 +670,7 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
     actions = plan_patches(hs, state, store, wanted)
     if dry_run:
         patches = "; patches: " + ", ".join(f"{a} {p.name}" for a, p in actions) if actions else ""
-        return CHANGED, f"would {verb} {cur}{patches} (check mode)"
+        return CHANGED, f"would {verb} {cur}{patches} (check mode)" + _lock_note(hs, state, break_lock)
     phases = Phases(name, hs.redactor)
     with host_lock(hs, verb, break_lock, port=int(target.get("port") or server_port(hs)), supersede=True) as lock:
         port = lock.get("port") or {}

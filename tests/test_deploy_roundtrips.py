@@ -91,8 +91,9 @@ def test_round_trips_of_a_rollback_and_a_restart(alab):
 
 
 def test_a_dry_run_says_what_the_deploy_lock_would_do_and_leaves_it(alab):
-    """The facts trip reads the deploy lock: check mode names its holder and what the real run
-    would do (refuse, or break a stale one), in the same one round trip, and leaves the lock."""
+    """The facts trip reads the deploy lock: check mode (deploy, rollback, restart) names its
+    holder and what the real run would do (refuse, or break a stale one), in the same one round
+    trip, and leaves the lock."""
     import json
     import socket
     import subprocess
@@ -101,6 +102,7 @@ def test_a_dry_run_says_what_the_deploy_lock_would_do_and_leaves_it(alab):
 
     lab, inv, _port = alab
     assert deploy_in_process(inv, "baseline")[0][0] == "changed"
+    assert deploy_in_process(inv, "baseline", force=True)[0][0] == "changed"  # a release to roll back to
     lock = root_of(lab) / "deploy.lock"
     live = {"id": "f" * 32, "who": "ana@example.org", "controller": "another-controller", "pid": 4242,
             "action": "deploy piecewise", "acquired_at": "2026-12-06T10:00:00Z"}
@@ -117,6 +119,11 @@ def test_a_dry_run_says_what_the_deploy_lock_would_do_and_leaves_it(alab):
             assert f"lab1: the deploy lock is held by ana@example.org pid {holder['pid']} (deploy piecewise" \
                 in outcome[1] and said in outcome[1], outcome
             assert programs == FACTS and trips == 1, (trips, programs)
+            for verb, args in ((dep.rollback, ()), (dep.restart_current, ("restart",))):
+                outcome, trips, programs = verb_in_process(inv, verb, *args, dry_run=True)
+                assert outcome[0] == "changed" and "(check mode); the deploy lock is held by ana@example.org" \
+                    in outcome[1] and said in outcome[1], outcome
+                assert trips == 1, (verb, trips, programs)
             assert (lock.read_bytes(), lock.stat().st_mtime_ns) == before
     finally:
         lock.unlink(missing_ok=True)

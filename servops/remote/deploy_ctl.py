@@ -235,7 +235,9 @@ def op_facts():
     restart plan from (the patch state as patch.status reads it, after finishing a transaction a
     killed patch run left behind)."""
     status = do_status(ARGS["patches"], ARGS.get("lock_timeout", 30)) if ARGS.get("patches") else {}
-    return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"))
+    held, age, _readable = lock_state()  # check mode says what the real run would meet there
+    return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"),
+                lock=None if held is None else dict(held, age=round(age, 1)))
 
 
 def op_prepare():
