@@ -149,6 +149,13 @@ def lock_state():
     return held, age, True
 
 
+def lock_record():
+    """The deploy lock's holder with its age in seconds, or None: what a check mode reports the
+    real run would meet."""
+    held, age, _readable = lock_state()
+    return None if held is None else dict(held, age=round(age, 1))
+
+
 def take_lock(owner):
     """Publish a complete lock record atomically: write a temp file, then link(2) it into place
     (fails if a lock exists). A failed write leaves no lock at all, never an empty one."""
@@ -235,9 +242,8 @@ def op_facts():
     restart plan from (the patch state as patch.status reads it, after finishing a transaction a
     killed patch run left behind)."""
     status = do_status(ARGS["patches"], ARGS.get("lock_timeout", 30)) if ARGS.get("patches") else {}
-    held, age, _readable = lock_state()  # check mode says what the real run would meet there
     return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"),
-                lock=None if held is None else dict(held, age=round(age, 1)))
+                lock=lock_record())
 
 
 def op_prepare():

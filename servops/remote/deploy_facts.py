@@ -21,6 +21,5 @@ def deploy_facts(spec):
     except FileProblem as exc:
         fail(str(exc))
     status = do_status(spec["patches"], spec.get("lock_timeout", 30)) if spec.get("patches") else {}
-    held, age, _readable = lock_state()
     return {"root": ROOT, "current": current, "patches": status.get("patches") or [],
-            "patches_recovered": status.get("recovered"), "lock": None if held is None else dict(held, age=round(age, 1))}
+            "patches_recovered": status.get("recovered"), "lock": lock_record()}
