@@ -196,7 +196,7 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
             for (hs, _resolved, launch, _actions), (p, facts) in zip(prepared, plans):
                 _print_plan_diff(hs, facts, p, launch)
         return CHANGED, "; ".join(p.text(resolved["name"]) for (_hs, resolved, *_), (p, _f) in zip(prepared, plans)) \
-            + "".join(_lock_note(hs, facts["deploy"], break_lock).replace("; ", f"; {hs.host.name}: ", 1)
+            + "".join(_lock_note(hs, facts["deploy"], break_lock, named=True)
                       for (hs, *_), (_p, facts) in zip(prepared, plans))
     with ExitStack() as stack:
         locks = []
@@ -494,10 +494,11 @@ def release_facts(hs: HostSession) -> tuple[dict, list[patchstore.Patch]]:
     return state, store
 
 
-def _lock_note(hs: HostSession, facts: dict, break_lock: bool) -> str:
-    """"; <what the real run would meet at the deploy lock>" for a check mode's line, or ""."""
+def _lock_note(hs: HostSession, facts: dict, break_lock: bool, named: bool = False) -> str:
+    """"; <what the real run would meet at the deploy lock>" for a check mode's line, or "";
+    `named`: after the host's name (a deploy's line covers every node)."""
     note = check_mode_note(facts.get("lock"), float(hs.host.get("lock_stale_after", DEFAULT_STALE_AFTER)), break_lock)
-    return f"; {note}" if note else ""
+    return "" if not note else f"; {hs.host.name}: {note}" if named else f"; {note}"
 
 
 def plan_patches(hs: HostSession, state: dict, store: list[patchstore.Patch], wanted: list[str]) -> list:

@@ -164,7 +164,7 @@ def pytest_collection_modifyitems(config, items):
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
     # xdist hands out work in this order (pyproject: --no-loadscope-reorder, which would order the
-    # groups by their number of tests): the longest chain first -- the real vLLM's group, ~10 min
+    # groups by their number of tests): the longest chain first -- the real vLLM's group, ~12 min
     # on one worker, which as the second unit of a busy worker was the last 8 minutes of the run --
     # then the other groups, the single lab tests, and the quick ones last to fill the tail.
     items.sort(key=run_order)
