@@ -189,6 +189,10 @@ _DEPLOY_HELP = {
     "max_fail_percentage": "With --serial: carry on while a batch's failed share stays at or below this.",
     "force": "Deploy even when the release would equal the current one (same launch, env, secrets, patches) "
              "and its server is healthy; without it such a deploy restarts nothing.",
+    "fix": "For a launch that compiles: where the audit finds a break no stored patch covers, synthesise, prove "
+           "and store its patch (invoke audit --fix), then deploy with it (without: such a break refuses the deploy).",
+    "skip_audit": "Deploy without auditing the compiled region first (a break then crashes the new server at "
+                  "start, and the deploy rolls back).",
 }
 _BENCH_HELP = {
     "levels": "Concurrency levels, comma-separated (default 1,10,256,1024); with --request-rate each level's "
@@ -223,7 +227,8 @@ _BENCH_HELP = {
 
 @servops_task(help=_DEPLOY_HELP, bounds={"max_fail_percentage": (0, 100)}, changes="deploy")
 def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patches=False, break_lock=False,
-           keep=0, gate=None, push=None, serial=0, max_fail_percentage=0.0, force=False, hosts=None, inventory=None):
+           keep=0, gate=None, push=None, serial=0, max_fail_percentage=0.0, force=False, fix=False, skip_audit=False,
+           hosts=None, inventory=None):
     """Deploy a variant: new release, patches, restart, health gate, auto-rollback on failure.
 
     A deploy that would change nothing (the current release has the same launch script, env,
@@ -239,7 +244,8 @@ def deploy(c, variant, dry_run=False, diff=False, no_rollback=False, skip_patche
     groups = server_groups(v, targets)
     return VerbRun(inv, targets).run(lambda nodes: dep.deploy_group(
         nodes, v, dry_run=dry_run, diff=diff, no_rollback=no_rollback, skip_patches=skip_patches,
-        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push, force=force),
+        break_lock=break_lock, keep=keep or None, gate=conditions, push_url=push, force=force, fix=fix,
+        skip_audit=skip_audit),
         groups=groups, serial=serial or None, max_fail_percentage=max_fail_percentage).recap
 
 
@@ -381,6 +387,40 @@ def check(c, variant, json=False, verbose=False, hosts=None, inventory=None):
                 "warnings", "facts", "note", "elapsed_s", "host_timings")}, indent=1, default=str))
     elif checks:
         lc.print_checks(checks, verbose)
+    return run.recap
+
+
+@servops_task(help={"variant": "Variant name: playbooks/<variant>.yml, as deploy would resolve it for each host.",
+                    "fix": "Synthesise a patch for each break no stored patch covers (the boundary call made an "
+                           "opaque torch.library custom op), prove it (the audit passes with it and the compiled "
+                           "prefill equals the eager one at every captured size) and store it in patches/.",
+                    "rounds": "At most N audit rounds (each a start of the audit server).",
+                    "tolerance": "Largest |compiled - eager| input-token logprob a proof accepts (nats).",
+                    "json": "Print JSON for machines."},
+              bounds={"rounds": (1, 20), "tolerance": (0, 10)})
+def audit(c, variant, fix=False, rounds=4, tolerance=0.02, json=False, hosts=None, inventory=None):
+    """Audit the compiled region before a restart: the engine's own compile and capture pass for the
+    variant's resolved flags and ALL its prefill capture sizes, on a shrunk copy of the host's model
+    (same architecture and quantization, the fewest layers that keep every layer kind, dummy weights),
+    in a child server beside the serving one. Reports each dynamo break (reason, frames, the boundary
+    call) and whether a stored patch covers it; --fix writes and proves the fixes. Nothing on the
+    host changes (the fix set is served to the audit server from patched copies); each round is in
+    the host's history. A host with no GPU, or too little free GPU memory, says "NOT audited"."""
+    from servops import auditstage
+    from servops.playbooks import load_variant
+
+    inv, targets = select(inventory, hosts)
+    v = load_variant(variant)  # an unknown variant fails before any connection
+    run = VerbRun(inv, targets).run(lambda hs: auditstage.audit_host(hs, v, fix=fix, rounds=rounds,
+                                                                      tolerance=tolerance))
+    run.recap.machine_output = json
+    for _h, data in run.each():
+        if not data:
+            continue
+        if json:
+            print(json_text(data, indent=1, default=str))
+        else:
+            auditstage.print_breaks(data)
     return run.recap
 
 
@@ -684,4 +724,4 @@ tune_ns.add_task(tune_report)
 patch_ns = Collection("patch", patch_status, patch_apply, patch_revert, patch_create, patch_preflight)
 lab_ns = Collection("lab", lab_up, lab_down)
 ns = Collection(lab_ns, inspect, deploy, rollback, render, status, logs, stop, start, restart, run_, releases_, metrics,
-                bench, compare, diagnose, history, check, disconnect, patch_ns, tune_ns)
+                bench, compare, diagnose, history, check, audit, disconnect, patch_ns, tune_ns)

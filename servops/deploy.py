@@ -21,12 +21,12 @@ from contextlib import ExitStack
 import yaml
 
 from . import deploystages as stages
-from . import engines, interrupt, patchplan, patchstore, releases
+from . import auditstage, engines, interrupt, patchplan, patchstore, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import DEFAULT_STALE_AFTER, check_mode_note, host_lock
 from .errors import ServopsError
-from .launchcheck import (LaunchCheck, check_missing_branch, check_variant, raise_if_refused, read_facts, resolve,
-                          verdict)
+from .launchcheck import (LaunchCheck, check_missing_branch, check_variant, engine_version, raise_if_refused,
+                          read_facts, resolve, verdict)
 from .multinode import node_args, with_args
 from .output import ATTENTION, CHANGED, FAILED, OK, RESTORED, console, err_console
 from .playbooks import load_variant
@@ -134,7 +134,8 @@ def launch_identity(hs: HostSession, variant: dict, launch: Launch) -> dict[str,
 def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool = False, diff: bool = False,
                  no_rollback: bool = False, skip_patches: bool = False, break_lock: bool = False,
                  keep: int | None = None, gate: list | None = None, bench_opts: dict | None = None,
-                 push_url: str | None = None, record: dict | None = None, force: bool = False) -> tuple[str, str]:
+                 push_url: str | None = None, record: dict | None = None, force: bool = False, fix: bool = False,
+                 skip_audit: bool = False) -> tuple[str, str]:
     """Deploy one server: a single host, or the nodes of a multi-node server (rank 0 first).
 
     `variant`: a playbook name, or a variant dict (a tuning trial). `record`, when given, receives
@@ -146,7 +147,9 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
       validate (no host) -> facts (ONE round trip: the engine's check program parses every `when:`
       branch's launch and reports the current release, the patch state, the lock) -> resolve
       (the `when:` rules of the host's version) -> render -> check (the host parser's verdict on
-      that launch, from the facts) -> plan (unchanged, or what changes)
+      that launch, from the facts) -> audit (a launch that compiles: the engine's compile and capture
+      pass on a shrunk model beside the serving server, auditstage.py; an uncovered break refuses
+      here, `fix` writes and proves its patch) -> plan (unchanged, or what changes)
     -> check mode ends here -> transaction (lock, release, patches, restart, gate, conclude).
     Extra round trips only where asked for: a host version that none of the `when:` probe
     versions stood for (its launch is checked in a second trip), a patch that proves an engine
@@ -180,7 +183,21 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
             phases.step("warning", f"{hs.host.name}: {w}")
         # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
         wanted = [] if skip_patches else list(resolved.get("patches") or [])
-        prove_call_sites(hs, wanted, phases)
+        if hs is nodes[0] and not dry_run and not skip_patches:  # one audit per server, on rank 0's host
+            added = auditstage.deploy_stage(hs, variant_name, resolved, launch, facts, wanted, fix=fix,
+                                            skip=skip_audit, phases=phases)
+            if added:
+                store = patchstore.all_patches()  # the fix loop may have stored new patches
+                wanted += [n for n in added if n not in wanted]
+                resolved = dict(resolved, patches=wanted)
+        elif hs is nodes[0] and dry_run and auditstage.launch_compiles(engines.of_variant(resolved), launch.args,
+                                                                        engine_version(facts)):
+            phases.step("audit", f"{hs.host.name}: the launch compiles: the real deploy audits its compiled region "
+                                 f"first (invoke audit --variant {variant_name} shows it now)")
+        unproven = [n for n in wanted if not patchstore.find_patch(n).proven()]
+        if unproven:
+            raise DeployError(f"{hs.host.name}: {', '.join(unproven)}: synthesised but not proven; never deployed "
+                              f"(invoke audit --fix proves it)")
         plans.append((stages.plan(hs.host, facts, resolved, launch, wanted, store), facts))
         prepared.append((hs, resolved, launch, plans[-1][0].actions))
     wanted = [] if skip_patches else list(prepared[0][1].get("patches") or [])  # the set rank 0 resolved
@@ -212,25 +229,6 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         return _deploy_locked(prepared, locks, variant_name, phases, wanted, diff=diff, no_rollback=no_rollback,
                               keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url,
                               record=record if record is not None else {})
-
-
-def prove_call_sites(hs: HostSession, wanted: list[str], phases: Phases) -> None:
-    """Before anything stops: each patch of the set whose preflight compiles the engine's call site
-    (dynamo_call_site) is proven on the host's GPU with the whole set applied to copies. A fix set
-    that does not make the call site compile refuses the deploy; a host that cannot run the proof
-    (no GPU) says so and goes on: nothing was proven, and the line says that."""
-    from . import patchstore, preflight as patch_preflight
-
-    for name in wanted:
-        patch = patchstore.find_patch(name)
-        if not patch.preflight or patch.preflight["check"] != "dynamo_call_site":
-            continue
-        res = patch_preflight.run_preflight(hs, patch)
-        lines = patch_preflight.describe(patch, res)
-        phases.step("preflight", f"{hs.host.name}: " + "; ".join(lines))
-        if res["result"] == "fail":
-            raise DeployError(f"{hs.host.name}: the fix set does not make {res.get('call_site')} compile: "
-                              f"{lines[2]}; nothing was changed")
 
 
 def _print_plan_diff(hs: HostSession, facts: dict, plan: stages.Plan, launch: Launch) -> None:

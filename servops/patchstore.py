@@ -46,6 +46,7 @@ class Patch:
     strip: int = 1
     preflight: dict | None = None
     path: Path = field(default_factory=Path)
+    synthesised: dict | None = None   # a patch the audit wrote: what it wraps, its provenance, its proof
 
     def version_ok(self, version: str | None) -> bool:
         if not version:
@@ -54,6 +55,10 @@ class Patch:
             return Version(version) in self.applies_to
         except InvalidVersion:
             return False
+
+    def proven(self) -> bool:
+        """A hand-written patch is reviewed; a synthesised one only counts once its audit proof passed."""
+        return not self.synthesised or bool((self.synthesised.get("proven") or {}).get("ok"))
 
     def remote_spec(self) -> dict:
         return {"name": self.name, "dist": self.distribution, "text": self.text, "strip": self.strip,
@@ -124,8 +129,11 @@ def load_patch(path: Path) -> Patch:
                     isinstance(a, dict) and isinstance(a.get("shape"), list) for a in args))):
             raise PatchError(f"{meta_path}: 'preflight.args' of a dynamo_call_site check is one of "
                              f"{', '.join(CALL_SITE_ARGS)} or a list of {{shape: [..], dtype: ..}} tensors")
+    synthesised = meta.get("synthesised")
+    if synthesised is not None and not (isinstance(synthesised, dict) and isinstance(synthesised.get("wraps"), str)):
+        raise PatchError(f"{meta_path}: 'synthesised' must be a mapping naming what the patch wraps (module:function)")
     return Patch(name=path.stem, distribution=dist, text=text, applies_to=spec, why=str(meta["why"]).strip(),
-                 files=list(meta["files"]), strip=strip, preflight=preflight, path=path)
+                 files=list(meta["files"]), strip=strip, preflight=preflight, path=path, synthesised=synthesised)
 
 
 def _norm(name: str) -> str:

@@ -229,6 +229,13 @@ INVENTORY_VARS = {
     "dist_init_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "dist_init_port": PORT,
     "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
+    # the audit of the compiled region (servops/audit.py): where its side server runs (cuda, or cpu for
+    # an engine that needs no GPU: the lab's double), the static memory share and headroom it takes on
+    # each GPU beside the serving server, and how long one audit server may take
+    "audit_device": Field("str", pattern=re.compile(r"cuda|cpu"), what="cuda or cpu"),
+    "audit_mem_fraction": Field("number", low=0.01, high=0.5, what="a share of GPU memory, 0.01-0.5"),
+    "audit_overhead_mib": Field("int", 0, 1 << 20),
+    "audit_timeout": Field("number", low=30, high=7200, what="seconds, 30-7200"),
 }
 INT_VARS = tuple(k for k, f in INVENTORY_VARS.items() if f.kind == "int")
 
@@ -460,4 +467,7 @@ PATCH_META = {
         "args": Field("any", nullable=True), "backend": Field("str", pattern=NAME, what="a torch.compile backend"),
         "with": Field("list", nullable=True, items=Field("str", pattern=NAME)),
         "device": Field("str", pattern=NAME, what="cuda or cpu")}),
+    # written by `invoke audit --fix` (servops/audit.py): what the patch wraps, from which audit and
+    # break, probed where, and its proof (`proven`); only a proven one is deployed
+    "synthesised": Field("any", nullable=True),
 }

@@ -25,6 +25,16 @@ class Engine:
     files_var: str | None = None                     # the host var listing local files a release ships
     start_times: tuple[tuple[str, str], ...] = ()    # (key, regex with the seconds as group 1): its log's
                                                      # own start-up phases (CUDA-graph capture, compile)
+    # The audit of the compiled region (servops/audit.py):
+    packages: tuple[str, ...] = ()                   # its code's top-level packages (a break's engine frames)
+    audit_overrides: dict = field(default_factory=dict)   # server args of the audit's side server
+                                                     # ({model}, {port}, {mem} filled in); None drops a flag
+    prefill_eager: tuple[tuple[str, dict], ...] = ()  # (version specifier, server args): the prefill
+                                                     # without its compiled graph, per release
+    workarounds: tuple[tuple[str, str], ...] = ()     # (version specifier, text): the release's own flag
+                                                     # that keeps the prefill out of dynamo
+    compile_flags: tuple[tuple[str, object], ...] = ()   # (server arg, value): a launch that compiles
+    compiles_by_default: tuple[tuple[str, str], ...] = ()  # (version specifier, server arg that turns it off)
 
     def start_phases(self, lines: list[str]) -> dict[str, float]:
         """The start-up phases its log timed, in seconds (several ranks or captures: the longest)."""
@@ -37,6 +47,29 @@ class Engine:
                 if m:
                     out[key] = max(out.get(key, 0.0), float(m[1]))
         return out
+
+    def audit_args(self, model: str, port: str, mem_fraction: float) -> dict:
+        fill = {"{model}": model, "{port}": port, "{mem}": f"{mem_fraction:g}"}
+        return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in self.audit_overrides.items()}
+
+    def _by_version(self, rules, version: str | None):
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+        try:
+            v = Version(version) if version else None
+        except InvalidVersion:
+            v = None
+        for spec, value in rules:
+            if v is not None and v in SpecifierSet(spec, prereleases=True):
+                return value
+        return None
+
+    def eager_prefill_args(self, version: str | None) -> dict:
+        return dict(self._by_version(self.prefill_eager, version) or {})
+
+    def workaround(self, version: str | None) -> str:
+        return self._by_version(self.workarounds, version) or (
+            f"no workaround flag known for {self.label(version)}: keep the variant's prefill graph off")
 
     def server_module(self, host) -> str:
         """What the host's launch runs (`python -m` it): the host's own module (the lab's

@@ -26,6 +26,30 @@ ENGINE = Engine(
     files_var="server_files",  # the lab's double ships its own server module with the release
     # "Capture cuda graph end. Time elapsed: 69.83 s. mem usage=0.75 GB." (tests/fixtures/real/healthy:
     # sglang-pr11830, sglang-19718); the piecewise capture logs its own line the same way
+    packages=("sglang", "sgl_kernel"),
+    # torch.compile at start: the piecewise prefill (tc_piecewise; before 0.5.14 its own flags) and
+    # --enable-torch-compile; 0.5.10-0.5.13 run piecewise by default
+    compile_flags=(("enable-torch-compile", True), ("enable-piecewise-cuda-graph", True),
+                   ("enforce-piecewise-cuda-graph", True), ("cuda-graph-backend-prefill", "tc_piecewise"),
+                   ("cuda-graph-backend-decode", "tc_piecewise"), ("cuda-graph-config", "tc_piecewise")),
+    compiles_by_default=((">=0.5.10,<0.5.14", "disable-piecewise-cuda-graph"),),
+    # the release's own launch, kept small and apart: a shrunk model with dummy weights, a small
+    # static memory fraction, its own port on loopback, one node, no warm-up request
+    audit_overrides={"model-path": "{model}", "port": "{port}", "host": "127.0.0.1", "load-format": "dummy",
+                     "mem-fraction-static": "{mem}", "skip-server-warmup": True, "nnodes": None, "node-rank": None,
+                     "dist-init-addr": None},
+    # the prefill graph off, per release (playbooks/piecewise.yml names where each rule comes from)
+    prefill_eager=((">=0.5.14", {"enable-piecewise-cuda-graph": None, "enforce-piecewise-cuda-graph": None,
+                                 "cuda-graph-backend-prefill": "disabled"}),
+                   (">=0.5.10,<0.5.14", {"enable-piecewise-cuda-graph": None, "enforce-piecewise-cuda-graph": None,
+                                         "disable-piecewise-cuda-graph": True}),
+                   ("<0.5.10", {"enable-piecewise-cuda-graph": None})),
+    workarounds=((">=0.5.22", "--cuda-graph-backend-prefill disabled (the breakable prefill graph has no dynamo; "
+                              "disabled drops the prefill graph)"),
+                 (">=0.5.14,<0.5.22", "--cuda-graph-backend-prefill breakable (or disabled): the prefill graph "
+                                      "without torch.compile"),
+                 (">=0.5.10,<0.5.14", "--disable-piecewise-cuda-graph (and no --enforce-piecewise-cuda-graph)"),
+                 ("<0.5.10", "drop --enable-piecewise-cuda-graph")),
     start_times=(("capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s"),
                  ("piecewise_capture_s", r"Capture piecewise CUDA graph end\. Time elapsed: ([0-9.]+) s")),
 )

@@ -47,6 +47,14 @@ ENGINE = Engine(
     module_var="vllm_module",  # a host's server_module is sglang's (the lab's double)
     # "torch.compile takes 7.14 s in total", "Graph capturing finished in 38 secs", "init engine (profile,
     # create kv cache, warmup model) took 25.99 seconds" (tests/fixtures/real/healthy: glm-v-204, vllm-19794)
+    packages=("vllm",),
+    compiles_by_default=((">=0", "enforce-eager"),),  # V1 compiles the forward unless told not to
+    audit_overrides={"model": "{model}", "port": "{port}", "host": "127.0.0.1", "load-format": "dummy",
+                     "gpu-memory-utilization": "{mem}"},
+    # vLLM V1 compiles the whole forward (piecewise CUDA graphs over torch.compile); eager is its
+    # one switch that keeps dynamo out
+    prefill_eager=((">=0", {"enforce-eager": True}),),
+    workarounds=((">=0", "--enforce-eager (no torch.compile and no CUDA graphs)"),),
     start_times=(("compile_s", r"torch\.compile takes ([0-9.]+) s in total"),
                  ("capture_s", r"Graph capturing finished in ([0-9.]+) secs?"),
                  ("init_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) seconds")),

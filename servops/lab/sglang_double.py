@@ -85,6 +85,11 @@ import types
 from collections import deque
 
 from aiohttp import web
+
+try:  # shipped beside the double in a release (a server file), else the servops tree
+    import piecewise_model
+except ImportError:
+    from servops.lab import piecewise_model
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -368,6 +373,7 @@ class Double:
         reg = self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model = os.path.basename(args.model_path.rstrip("/")) or args.model_path
+        self.forward_model = None  # the piecewise model (piecewise_model.py), where the venv runs one
         tp = max(1, int(getattr(args, "tp", 1) or 1))
         ranks = range(tp) if getattr(args, "enable_metrics_for_all_schedulers", False) else range(1)
         skew = float(os.environ.get("SGLANG_DOUBLE_RANK_SKEW", "0") or 0)
@@ -591,7 +597,11 @@ class Double:
 
         if not body.get("stream"):
             text = "".join([t async for t in self._tokens(n, prompt_tokens)])
-            return web.json_response({"text": text, "output_ids": list(range(n)), "meta_info": meta(n, True)})
+            info = meta(n, True)
+            if body.get("return_logprob") and isinstance(prompt, list) and self.forward_model is not None:
+                # the prefill's own numbers (sglang: [logprob, token id, text] per input token)
+                info["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.forward_model.logprobs(prompt), prompt)]
+            return web.json_response({"text": text, "output_ids": list(range(n)), "meta_info": info})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         text, i = "", 0
@@ -943,10 +953,23 @@ def main(argv=None):
     else:
         log(f"server_args (sglang {args.sglang_version}, {args.parser} parser): {args.launch_command}")
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
-    if args.enable_piecewise_cuda_graph and getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm":
+    model = None
+    fp8 = getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm"
+    if args.enable_piecewise_cuda_graph and fp8 and piecewise_model.lab_kernels_installed():
+        # the venv holds the lab's FlashInfer- and sglang-shaped kernels: the whole forward is
+        # compiled and captured at the release's prefill sizes (piecewise_model.py)
+        model = piecewise_model.PiecewiseModel(_model_config(args.model_path),
+                                               opaque_gemm=fp8_call_is_opaque(args.sglang_package))
+        sizes = piecewise_model.prefill_sizes(getattr(args, "sglang_server_args", {}) or {})
+        log("Capture piecewise cuda graph begin. This can take up to several minutes.")
+        model.capture(sizes, log)  # raises as the real server does
+        log("Capture piecewise cuda graph end.")
+    elif args.enable_piecewise_cuda_graph and fp8:
         capture_fp8_linear(fp8_call_is_opaque(args.sglang_package))  # raises as the real server does
     elif args.enable_piecewise_cuda_graph:
         capture_piecewise_cuda_graph()  # raises, with the real traceback, on an unpatched flashinfer
+    elif fp8 and piecewise_model.lab_kernels_installed():
+        model = piecewise_model.PiecewiseModel(_model_config(args.model_path), opaque_gemm=False)  # eager
     load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
     if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
         time.sleep(load_time)
@@ -968,6 +991,7 @@ def main(argv=None):
         print(CAPTURE_OOM, flush=True)
         sys.exit(1)
     double = Double(args)
+    double.forward_model = model
     app = web.Application()
     routes = double.shape["routes"]
     handlers = {"/health": double.health, "/health_generate": double.health, "/model_info": double.model_info,

@@ -247,11 +247,59 @@ def cuda_torch_layer() -> Path:
     return build_once(CACHE / f"cuda-torch-{_key(CUDA_TORCH)}", "cuda-torch", build)
 
 
+# The lab's FlashInfer- and sglang-shaped kernels (servops/lab/kernels_dist): what the double's
+# piecewise capture calls inside its compiled region, a real distribution in each release venv.
+LAB_KERNELS = Path(__file__).resolve().parent / "kernels_dist"
+
+
+LAB_KERNELS_DIST, LAB_KERNELS_VERSION = "servops_lab_kernels", "1.0.0"
+
+
+def _lab_kernel_files() -> list[Path]:
+    return [p for p in sorted(LAB_KERNELS.rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def lab_kernels_digest() -> str:
+    blob = b"".join(p.relative_to(LAB_KERNELS).as_posix().encode() + b"\0" + p.read_bytes() for p in _lab_kernel_files())
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def lab_kernels_wheel(dest: Path) -> Path:
+    """The lab kernels as a wheel (stdlib zipfile: no build backend needed in the venv)."""
+    import base64
+    import zipfile
+
+    info = f"{LAB_KERNELS_DIST}-{LAB_KERNELS_VERSION}.dist-info"
+    files = {p.relative_to(LAB_KERNELS).as_posix(): p.read_bytes() for p in _lab_kernel_files()}
+    files[f"{info}/METADATA"] = (f"Metadata-Version: 2.1\nName: servops-lab-kernels\nVersion: {LAB_KERNELS_VERSION}\n"
+                                 f"Summary: servops lab: FlashInfer- and sglang-shaped kernels on the CPU\n").encode()
+    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: servops\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{info}/top_level.txt"] = b"labgemm\nlabkernels\n"
+
+    def row(name: str, data: bytes) -> str:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        return f"{name},sha256={digest},{len(data)}\n"
+
+    record = "".join(row(n, d) for n, d in files.items()) + f"{info}/RECORD,,\n"
+    wheel = dest / f"{LAB_KERNELS_DIST}-{LAB_KERNELS_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+def install_lab_kernels(venv: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+              str(lab_kernels_wheel(Path(tmp)))], stderr=subprocess.DEVNULL)
+
+
 def sglang_venv_path(version: str, real: bool | None = None) -> Path:
     real = sglang_real_parser(version) if real is None else real
     deps = (SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, [])) if real else []
     cuda = real and version in NEEDS_CUDA_TORCH
-    key = _key(venv_key(), version, deps, CUDA_TORCH if cuda else None, FLASHINFER)
+    key = _key(venv_key(), version, deps, CUDA_TORCH if cuda else None, FLASHINFER, lab_kernels_digest())
     return CACHE / f"sglang-{version}-{'real' if real else 'static'}-{key}"
 
 
@@ -266,6 +314,7 @@ def build_sglang_venv(version: str, real: bool | None = None) -> Path:
         py = str(venv / "bin" / "python")
         (site_packages(venv) / "_servops_layers.pth").write_text("".join(f"{p}\n" for p in layers))
         install_flashinfer(venv)
+        install_lab_kernels(venv)
         _run([py, "-m", "pip", "install", "-q", "--no-deps", str(sglang_wheel(version))])
         if real:
             _run([py, "-m", "pip", "install", "-q", *(SGLANG_PARSER_DEPS_COMMON + SGLANG_PARSER_DEPS.get(version, []))])

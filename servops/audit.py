@@ -1,0 +1,498 @@
+"""audit: every dynamo break of a variant's compiled region, found before the restart, and fixed.
+
+The audit runs the ENGINE's own compile and capture pass (the release's launch, the variant's
+resolved flags and all its prefill capture sizes) on a shrunk copy of the host's model, in a child
+server beside the serving one (servops/remote/audit_compile.py), with the fix set served from
+patched copies. Each break comes back with dynamo's reason and the chain of calls dynamo was
+inlining, outermost first, each with the arguments dynamo saw (servops/remote/audit_shim.py).
+
+From a break (pure functions, unit-tested from records):
+- the boundary: the last engine frame and the callee it enters (where the engine leaves what
+  dynamo can trace);
+- the wrap candidates: the chain's module-level functions, innermost first, whose arguments are
+  tensors and constants;
+- whether a stored patch covers it (a synthesised patch whose `wraps` is one of them).
+
+The fix loop (`--fix`): audit -> for an uncovered break, probe the candidates on the host (the
+real function, called at several sizes) until one can be wrapped, synthesise the patch
+(servops/synth.py) -> audit again with it, until the audit is clean or N rounds pass. A
+synthesised patch is proven only when the audit passes with it AND the compiled prefill of the
+shrunk model equals the eager one at every captured size (input-token logprobs, within a stated
+tolerance); only then is it written to the patch store, and only a proven patch is deployed.
+A break that cannot be wrapped (a Python value returned, a data-dependent size) ends the loop
+with the release's workaround flag and why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import engines, patchstore, synth
+from .errors import ServopsError
+from .launchcheck import engine_version
+from .patchstore import Patch
+from .provenance import operator
+from .releases import deploy_root
+from .render import Launch, server_argv
+from .remote_exec import run_program
+from .transport import HostSession
+
+SHIM = Path(__file__).resolve().parent / "remote" / "audit_shim.py"
+MODEL = "{SERVOPS_AUDIT_MODEL}"
+PORT = "{SERVOPS_AUDIT_PORT}"
+DEFAULT_ROUNDS = 4
+DEFAULT_TOLERANCE = 0.02     # nats: |compiled - eager| input-token logprob, at every captured size
+STDLIB_MARKERS = ("/lib/python3", "/importlib/", "<frozen")
+
+
+class AuditError(ServopsError):
+    pass
+
+
+# ---- what a break record says ---------------------------------------------------------------------
+
+def _top(module: str | None) -> str:
+    return (module or "").split(".", 1)[0]
+
+
+def _site_relative(path: str | None) -> bool:
+    return bool(path) and ("site-packages/" in path or "dist-packages/" in path)
+
+
+def is_engine_frame(frame: dict, packages: tuple[str, ...]) -> bool:
+    return _top(frame.get("module")) in packages
+
+
+def is_library_frame(frame: dict) -> bool:
+    """Code of an installed package other than torch (where a custom op can wrap a call)."""
+    top = _top(frame.get("module"))
+    return top not in ("torch", "functools", "importlib", "subprocess", "threading") and (
+        _site_relative(frame.get("file")) or not any(m in (frame.get("file") or "") for m in STDLIB_MARKERS))
+
+
+def _reason_line(record: dict) -> str:
+    message = str(record.get("message") or "")
+    first = message.strip().splitlines()[0] if message.strip() else record.get("type", "dynamo break")
+    skipped = next((ln.strip() for ln in message.splitlines() if "function `" in ln and "`" in ln), "")
+    import re
+    m = re.search(r"function `([^`]+)`(?: in file `([^`]+)`)?", skipped)
+    callee = f" ({m[1]}{' in ' + m[2].rsplit('/', 1)[-1] if m[2] else ''})" if m else ""
+    return (first + callee)[:300]
+
+
+def _callee(record: dict) -> str | None:
+    import re
+    m = re.search(r"function `([^`]+)`", str(record.get("message") or ""))
+    return m[1] if m else None
+
+
+def sizes_of(chain: list[dict]) -> list[int]:
+    """The captured sizes a break was met at: the hints of the symbolic dims dynamo traced."""
+    hints = set()
+    for frame in chain[:1]:
+        for value in list(frame.get("args") or []) + list((frame.get("kwargs") or {}).values()):
+            for d in (value.get("shape") or []) if isinstance(value, dict) else []:
+                if isinstance(d, dict) and isinstance(d.get("hint"), int):
+                    hints.add(d["hint"])
+    return sorted(hints)
+
+
+def _where(frame: dict) -> str:
+    return f"{frame.get('module')}.{frame.get('qualname')}"
+
+
+def analyse(record: dict, packages: tuple[str, ...]) -> dict:
+    """One break record -> reason, frames, the boundary (the last engine frame and the callee it
+    enters), the captured size, and the wrap candidates (innermost first)."""
+    chain = [f for f in (record.get("chain") or []) if isinstance(f, dict)]
+    engine_at = [i for i, f in enumerate(chain) if is_engine_frame(f, packages)]
+    callee = _callee(record)
+    if engine_at:
+        last = chain[engine_at[-1]]
+        nxt = chain[engine_at[-1] + 1] if engine_at[-1] + 1 < len(chain) else None
+        enters = _where(nxt) if nxt else (callee or "an untraceable builtin")
+        boundary = {"engine": _where(last), "enters": enters,
+                    "line": (nxt or {}).get("called_from", {}).get("line") if nxt else None}
+    else:
+        last = chain[-1] if chain else {}
+        boundary = {"engine": _where(last) if last else (record.get("root") or {}).get("function"),
+                    "enters": callee or "an untraceable builtin", "line": None}
+    candidates = []
+    for frame in reversed(chain):
+        if not is_library_frame(frame) and not is_engine_frame(frame, packages):
+            continue
+        name = frame.get("qualname") or ""
+        if not synth.IDENT.fullmatch(name):  # a method or a closure: no module-level name to rebind
+            continue
+        kinds = [a.get("kind") for a in list(frame.get("args") or []) + list((frame.get("kwargs") or {}).values())]
+        if any(k == "object" for k in kinds):
+            continue
+        candidates.append(frame)
+    return {"reason_type": record.get("type"), "reason_line": _reason_line(record), "chain": chain,
+            "frames": [_where(f) for f in chain], "boundary": boundary,
+            "boundary_text": f"{boundary['engine']} -> {boundary['enters']}", "sizes": sizes_of(chain),
+            "candidates": candidates, "callee": callee}
+
+
+def distinct(breaks: list[dict]) -> list[dict]:
+    """One break per boundary (TP ranks and recompiles repeat it)."""
+    seen, out = set(), []
+    for b in breaks:
+        key = (b["boundary_text"], b["reason_line"])
+        if key not in seen:
+            seen.add(key)
+            out.append(b)
+    return out
+
+
+def covering(brk: dict, store: list[Patch], already: list[str]) -> list[Patch]:
+    """Stored patches made for this break's boundary (a synthesised patch wrapping one of its
+    candidate functions), not yet in the set."""
+    wraps = {f"{f.get('module')}:{f.get('qualname')}" for f in brk["candidates"]}
+    return [p for p in store if p.synthesised and p.synthesised.get("wraps") in wraps and p.name not in already
+            and p.proven()]
+
+
+# ---- the audit server's launch -------------------------------------------------------------------------
+
+def _norm_flag(key: str) -> str:
+    return key.lstrip("-").replace("_", "-")
+
+
+def audit_argv(engine: engines.Engine, launch: Launch, overrides: dict) -> list[str]:
+    """The release's launch argv with the audit's overrides (model, port, host, dummy load, memory)
+    replacing the variant's own values of those flags."""
+    drop = {_norm_flag(k) for k in overrides}
+    args = {k: v for k, v in launch.args.items() if _norm_flag(k) not in drop}
+    args.update(overrides)
+    return server_argv(args)
+
+
+def audit_launch(hs: HostSession, engine: engines.Engine, launch: Launch, *, eager: dict | None = None,
+                 mem_fraction: float | None = None) -> dict:
+    overrides = engine.audit_args(MODEL, PORT, mem_fraction or float(hs.host.get("audit_mem_fraction") or 0.05))
+    overrides.update(eager or {})
+    return {"module": engine.server_module(hs.host), "argv": audit_argv(engine, launch, overrides),
+            "env": dict(launch.env, **launch.secret_env), "health": engine.health.get("endpoint", "/health")}
+
+
+def server_files(hs: HostSession, variant: dict, launch: Launch) -> dict[str, str]:
+    """Files the host's launch runs beside its script (the lab's SGLang double), as deploy ships them."""
+    from .deploystages import launch_files
+    return {name: spec["text"] for name, spec in launch_files(hs.host, variant, launch).items()
+            if name not in ("launch.sh", "secrets.env")}
+
+
+@dataclass
+class Round:
+    number: int
+    state: str                     # healthy | exited | broke | timeout | not-audited
+    breaks: list[dict] = field(default_factory=list)
+    patches: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    detail: str = ""
+    captured: list[int] = field(default_factory=list)
+
+
+def run_audit(hs: HostSession, launch: dict, patches: list[Patch], *, variant: str, files: dict[str, str],
+              round_no: int, compare: dict | None = None, timeout: int = 1800) -> dict:
+    device = str(hs.host.get("audit_device") or "cuda")
+    tp = int(hs.host.get("tp") or 1)
+    args = {"op": "audit", "launch": launch, "model_path": str(hs.host.get("model_path") or ""),
+            "patches": [p.remote_spec() for p in patches], "shim": SHIM.read_text(),
+            "server_files": files, "device": device, "gpus_needed": tp,
+            "mem_fraction": float(hs.host.get("audit_mem_fraction") or 0.05),
+            "overhead_mib": int(hs.host.get("audit_overhead_mib") or 3072),
+            "timeout_s": int(hs.host.get("audit_timeout") or 900), "compare": compare,
+            "journal": f"{deploy_root(hs.host)}/journal.jsonl",
+            "journal_entry": {"action": "audit", "who": operator(), "variant": variant, "round": round_no,
+                              "patches": [p.name for p in patches]}}
+    return run_program(hs, "audit_compile", args, timeout=timeout)
+
+
+def probe_request(frame: dict, captured: list[int]) -> dict:
+    """Cases for the probe: the sizes seen at capture, other captured sizes for the symbolic dims,
+    and each static dim value doubled on its own (which input dims an output follows)."""
+    values = list(frame.get("args") or []) + list((frame.get("kwargs") or {}).values())
+    symbols: dict[str, int] = {}
+    statics: list[int] = []
+    for v in values:
+        for d in (v.get("shape") or []) if v.get("kind") == "tensor" else []:
+            if isinstance(d, dict) and d.get("hint") is not None:
+                symbols.setdefault(d["sym"], int(d["hint"]))
+            elif isinstance(d, int) and d > 1 and d not in statics:
+                statics.append(d)
+    base = dict(symbols)
+    cases = [{"sizes": base}]
+    others = [s for s in sorted(set(captured)) if s not in base.values()] or [max(base.values() or [4]) * 2]
+    picks = sorted({others[0], others[len(others) // 2], others[-1]})[:3]
+    for size in picks:
+        cases.append({"sizes": {k: size for k in symbols}})
+    for value in statics[:6]:
+        cases.append({"sizes": base, "scale": {str(value): value * 2}})
+    return {"module": frame["module"], "qualname": frame["qualname"], "args": frame.get("args") or [],
+            "kwargs": frame.get("kwargs") or {}, "cases": cases}
+
+
+def run_probe(hs: HostSession, request: dict, patches: list[Patch], env: dict) -> dict:
+    return run_program(hs, "audit_compile", {"op": "probe", "request": request, "shim": SHIM.read_text(),
+                                             "patches": [p.remote_spec() for p in patches], "env": env,
+                                             "timeout_s": int(hs.host.get("audit_timeout") or 600)},
+                       timeout=int(hs.host.get("audit_timeout") or 600) + 60)
+
+
+def candidate_patch(s: synth.Synthesis, where: Path) -> Patch:
+    """A synthesised patch as a Patch (written under `where`, not yet in the store)."""
+    dist_dir = where / s.distribution
+    dist_dir.mkdir(parents=True, exist_ok=True)
+    (dist_dir / f"{s.name}.patch").write_text(s.text)
+    (dist_dir / f"{s.name}.yml").write_text(yaml.safe_dump(s.meta, sort_keys=False, width=100))
+    return patchstore.load_patch(dist_dir / f"{s.name}.patch")
+
+
+def compare_logprobs(compiled: dict, eager: dict, tolerance: float) -> dict:
+    """Per captured size: max |compiled - eager| over the prompt's input-token logprobs."""
+    rows, worst = [], 0.0
+    for size in sorted(compiled, key=int):
+        a, b = compiled.get(size), eager.get(size)
+        if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
+            rows.append({"size": int(size), "ok": False, "why": f"compiled {_what(a)}, eager {_what(b)}"})
+            continue
+        diffs = [abs(x - y) for x, y in zip(a, b) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
+        spread = max((abs(x) for x in b if isinstance(x, (int, float))), default=0.0)
+        d = max(diffs, default=0.0)
+        worst = max(worst, d)
+        rows.append({"size": int(size), "ok": bool(diffs) and d <= tolerance, "max_abs_diff": d, "spread": spread,
+                     "why": "" if diffs else "no logprobs"})
+    return {"sizes": rows, "max_abs_diff": worst, "tolerance": tolerance,
+            "ok": bool(rows) and all(r["ok"] for r in rows)}
+
+
+def _what(value) -> str:
+    if isinstance(value, list):
+        return f"{len(value)} logprobs"
+    if isinstance(value, dict):
+        return str(value.get("error"))[:200]
+    return "nothing"
+
+
+@dataclass
+class Outcome:
+    verdict: str          # clean | fixed | uncovered | cannot-fix | not-audited | failed | rounds-exhausted
+    rounds: list[Round] = field(default_factory=list)
+    added: list[Patch] = field(default_factory=list)       # stored or synthesised patches the set needs
+    written: list[str] = field(default_factory=list)       # synthesised patches proven and stored
+    why: str = ""
+    workaround: str = ""
+    uncovered: list[dict] = field(default_factory=list)
+
+
+def record_breaks(res: dict, packages: tuple[str, ...]) -> list[dict]:
+    return distinct([analyse(r, packages) for r in res.get("breaks") or [] if isinstance(r, dict) and "chain" in r])
+
+
+# ---- the loop -----------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What one host's audit runs: the launch (rendered), the fix set, the engine and its version."""
+    hs: HostSession
+    variant: str
+    resolved: dict                 # the variant as the host's rules resolved it
+    engine: engines.Engine
+    launch: Launch
+    fix_set: list[Patch]
+    version: str | None
+
+
+def synthesise_for(plan: Plan, brk: dict, patches: list[Patch], captured: list[int], audit_id: str,
+                   say) -> tuple[synth.Synthesis | None, list[str]]:
+    """Probe the break's candidates, innermost first, until one can be wrapped."""
+    reasons = []
+    env = dict(plan.launch.env, **plan.launch.secret_env)
+    for frame in brk["candidates"]:
+        where = f"{frame['module']}.{frame['qualname']}"
+        try:
+            probe = run_probe(plan.hs, probe_request(frame, captured), patches, env)
+        except ServopsError as exc:
+            reasons.append(f"{where}: the probe failed: {exc}")
+            continue
+        if probe.get("error") or not probe.get("rel") or not probe.get("dist"):
+            reasons.append(f"{where}: " + (probe.get("error") or "its file is not part of an installed distribution"))
+            continue
+        try:
+            s = synth.synthesise(brk, frame, probe, audit_id)
+        except synth.CannotWrap as exc:
+            reasons.append(f"{where}: {exc}")
+            say(f"cannot wrap {where}: {exc}")
+            continue
+        return s, reasons
+    return None, reasons
+
+
+def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolerance: float = DEFAULT_TOLERANCE,
+                  store: list[Patch] | None = None, work: Path, say=lambda line: None) -> Outcome:
+    """Audit; with `fix`, synthesise and prove patches for uncovered breaks, round after round."""
+    store = patchstore.all_patches() if store is None else store
+    # the engine's code: its packages, and the modules the host's launch ships beside it (the lab's double)
+    packages = plan.engine.packages + (str(plan.engine.server_module(plan.hs.host)).split(".")[0],) + tuple(
+        Path(f).stem for f in plan.engine.server_files(plan.hs.host))
+    audit_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{plan.hs.host.name}"
+    added: list[Patch] = []
+    unproven: list[Patch] = []
+    outcome = Outcome(verdict="rounds-exhausted")
+    launch = audit_launch(plan.hs, plan.engine, plan.launch)
+    files = server_files(plan.hs, plan.resolved, plan.launch)
+    for number in range(1, rounds + 1):
+        patches = plan.fix_set + added
+        res = run_audit(plan.hs, launch, patches, variant=plan.variant, files=files, round_no=number,
+                        compare={"lengths": "captured"} if unproven else None)
+        rnd = Round(number, res.get("state", "?"), patches=[p.name for p in patches],
+                    elapsed_s=float(res.get("elapsed_s") or 0), captured=list(res.get("captured") or []))
+        outcome.rounds.append(rnd)
+        if rnd.state == "not-audited":
+            outcome.verdict, outcome.why = "not-audited", str(res.get("why"))
+            rnd.detail = outcome.why
+            say(f"round {number}: not audited: {outcome.why}")
+            return outcome
+        rnd.breaks = record_breaks(res, packages)
+        if not rnd.breaks:
+            if rnd.state != "healthy":
+                outcome.verdict = "failed"
+                outcome.why = (f"the audit server ended {rnd.state} (exit {res.get('exit_code')}) without a dynamo "
+                               f"break: " + " | ".join((res.get("log_tail") or [])[-3:]))[:1500]
+                rnd.detail = outcome.why
+                say(f"round {number}: {outcome.why}")
+                return outcome
+            rnd.detail = f"clean: {len(rnd.captured)} prefill size(s) compiled and captured"
+            say(f"round {number}: {rnd.detail} ({rnd.elapsed_s:.0f} s)")
+            if unproven:
+                if not prove(plan, files, patches, unproven, res, tolerance, outcome, say):
+                    return outcome
+                outcome.written = write_to_store(unproven, outcome.rounds)
+            outcome.verdict = "fixed" if added else "clean"
+            outcome.added = added
+            return outcome
+        say(f"round {number}: {len(rnd.breaks)} break(s) ({rnd.elapsed_s:.0f} s)")
+        for brk in rnd.breaks:
+            at = f" at {brk['sizes']} tokens" if brk["sizes"] else ""
+            say(f"  break{at}: {brk['reason_line']}")
+            say(f"    boundary: {brk['boundary_text']}")
+            stored = covering(brk, store, [p.name for p in patches])
+            if stored:
+                added += stored[:1]
+                say(f"    covered by the stored patch {stored[0].name}")
+                continue
+            if not fix:
+                outcome.verdict = "uncovered"
+                outcome.uncovered.append(brk)
+                continue
+            s, reasons = synthesise_for(plan, brk, patches, rnd.captured, audit_id, say)
+            if s is None:
+                outcome.verdict, outcome.uncovered = "cannot-fix", [brk]
+                outcome.why = "; ".join(reasons) or "no frame of the break's chain is a function servops can wrap"
+                outcome.workaround = plan.engine.workaround(plan.version)
+                return outcome
+            patch = candidate_patch(s, work)
+            added.append(patch)
+            unproven.append(patch)
+            say(f"    synthesised {s.name}: {s.meta['synthesised']['wraps']} as {s.op} {s.schema}")
+        if outcome.verdict == "uncovered":
+            outcome.why = "; ".join(f"{b['reason_line']} at {b['boundary_text']}" for b in outcome.uncovered)
+            outcome.workaround = plan.engine.workaround(plan.version)
+            return outcome
+    outcome.why = f"breaks remain after {rounds} rounds"
+    outcome.workaround = plan.engine.workaround(plan.version)
+    return outcome
+
+
+def prove(plan: Plan, files: dict[str, str], patches: list[Patch], unproven: list[Patch], res: dict,
+          tolerance: float, outcome: Outcome, say) -> bool:
+    """The compiled prefill equals the eager one at every captured size: the eager reference is
+    the same audit server with the prefill graph off."""
+    compiled = res.get("logprobs")
+    if not isinstance(compiled, dict) or not compiled:
+        outcome.verdict = "failed"
+        outcome.why = ("the audit passed with the synthesised patches, but the engine gave no prefill logprobs to "
+                       f"compare ({plan.engine.name}): not proven, nothing deployed")
+        say(outcome.why)
+        return False
+    eager_flags = plan.engine.eager_prefill_args(plan.version)
+    eager_launch = audit_launch(plan.hs, plan.engine, plan.launch, eager=eager_flags)
+    reference = [p for p in patches if p not in unproven]  # the functions as they were, run eagerly
+    ref = run_audit(plan.hs, eager_launch, reference, variant=plan.variant, files=files,
+                    round_no=len(outcome.rounds), compare={"lengths": sorted(int(k) for k in compiled)})
+    eager = ref.get("logprobs") if ref.get("state") == "healthy" else None
+    if not isinstance(eager, dict):
+        outcome.verdict = "failed"
+        outcome.why = (f"the eager reference server ended {ref.get('state')}: not proven, nothing deployed; "
+                       + " | ".join((ref.get("log_tail") or [])[-2:]))[:1500]
+        say(outcome.why)
+        return False
+    result = compare_logprobs(compiled, eager, tolerance)
+    bad = [r for r in result["sizes"] if not r["ok"]]
+    say(f"proof: compiled vs eager prefill at {len(result['sizes'])} size(s): max |logprob diff| "
+        f"{result['max_abs_diff']:.3g} (tolerance {tolerance})" + (f"; {len(bad)} size(s) differ" if bad else ""))
+    for p in unproven:
+        meta = dict(p.synthesised or {})
+        meta["proven"] = {"audit_rounds": len(outcome.rounds), "captured_sizes": sorted(int(k) for k in compiled),
+                          "max_abs_logprob_diff": result["max_abs_diff"], "tolerance": tolerance,
+                          "eager_reference": " ".join(f"--{k}" + ("" if v is True else f" {v}")
+                                                      for k, v in eager_flags.items() if v is not None),
+                          "ok": result["ok"]}
+        p.synthesised = meta
+    if not result["ok"]:
+        outcome.verdict = "failed"
+        outcome.why = "the compiled prefill differs from the eager one: " + ", ".join(
+            f"{r['size']} tokens ({r.get('max_abs_diff', r.get('why'))})" for r in bad[:8])
+        return False
+    return True
+
+
+def write_to_store(patches: list[Patch], rounds: list[Round], root: Path | None = None) -> list[str]:
+    """Proven synthesised patches into the patch store (patches/<dist>/): servops' cache of fixes."""
+    root = root or patchstore.PATCH_ROOT
+    names = []
+    for p in patches:
+        dest = root / p.distribution
+        dest.mkdir(parents=True, exist_ok=True)
+        meta = yaml.safe_load(p.path.with_suffix(".yml").read_text())
+        meta["synthesised"] = p.synthesised
+        (dest / f"{p.name}.patch").write_text(p.text)
+        (dest / f"{p.name}.yml").write_text(yaml.safe_dump(meta, sort_keys=False, width=100))
+        p.path = dest / f"{p.name}.patch"
+        names.append(p.name)
+    return names
+
+
+def describe(outcome: Outcome) -> str:
+    n = len(outcome.rounds)
+    return {"clean": f"clean after {n} round(s)",
+            "fixed": f"fixed in {n} round(s): " + ", ".join(p.name for p in outcome.added),
+            "uncovered": f"{len(outcome.uncovered)} break(s) no stored patch covers",
+            "cannot-fix": "a break servops cannot wrap",
+            "not-audited": "not audited",
+            "failed": "failed",
+            "rounds-exhausted": f"breaks remain after {n} round(s)"}.get(outcome.verdict, outcome.verdict)
+
+
+def outcome_json(outcome: Outcome) -> dict:
+    return {"verdict": outcome.verdict, "why": outcome.why, "workaround": outcome.workaround,
+            "added": [p.name for p in outcome.added], "written": outcome.written,
+            "rounds": [{"round": r.number, "state": r.state, "patches": r.patches, "elapsed_s": r.elapsed_s,
+                        "captured": r.captured, "detail": r.detail,
+                        "breaks": [{k: b[k] for k in ("reason_line", "boundary_text", "frames", "sizes")} for b in r.breaks]}
+                       for r in outcome.rounds]}
+
+
+def dump(outcome: Outcome, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(outcome_json(outcome), indent=1))
+
+
+__all__ = ["Plan", "Outcome", "audit_and_fix", "analyse", "covering", "describe", "engine_version"]

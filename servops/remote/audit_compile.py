@@ -1,0 +1,452 @@
+# audit_compile: the engine's own compile and capture pass for a variant, on a shrunk copy of
+# the host's model, in a child server beside the serving one (ARGS["op"] == "audit"); and the
+# probe of one engine function for a synthesised custom op (ARGS["op"] == "probe").
+#
+# The audit server is the release's own launch (the engine's module, the variant's resolved flags
+# and capture sizes) with what keeps it small and apart overridden: the model is a copy of the
+# host's config with the fewest layers that keep every layer kind (tokenizer files linked, no
+# weights: dummy load), a small memory fraction, a free port on 127.0.0.1, its own session. The
+# fix set's files are served to it from patched copies (audit_shim.py, as its sitecustomize),
+# so the host's site-packages are never written and the serving server sees nothing of it.
+# Every dynamo break the capture meets is recorded by the shim with the chain of calls and the
+# arguments dynamo saw. Healthy means every prefill size was compiled and captured.
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+MAX_CONFIG_BYTES = 4 << 20        # a model's config.json: a real one is a few kB
+MAX_LOG_TAIL = 200                # lines of the audit server's log in the reply
+MAX_BREAKS = 50                   # break records read back (a graph-breaking engine repeats them)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_config(model_path):
+    """The model's config.json, bounded: a regular file of at most MAX_CONFIG_BYTES."""
+    import stat as stat_mod
+    path = os.path.join(model_path, "config.json")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        return None, "cannot open %s: %s" % (path, exc.strerror)
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            return None, "%s is not a regular file" % path
+        if st.st_size > MAX_CONFIG_BYTES:
+            return None, "%s is %d bytes (a config.json is a few kB; at most %d read)" % (
+                path, st.st_size, MAX_CONFIG_BYTES)
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, "%s is not JSON: %s" % (path, str(exc)[:200])
+    if not isinstance(config, dict):
+        return None, "%s is not a JSON object" % path
+    return config, None
+
+
+# ---- the fewest layers that keep every layer kind ----------------------------------------------
+
+def _int(value, default=0):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def layer_kind(config, i, n):
+    """What makes layer i of this config differ from another (dense or MoE MLP, attention type,
+    RoPE or not), from the config's own per-layer rules and per-layer lists."""
+    kind = []
+    for key in sorted(config):
+        value = config[key]
+        if isinstance(value, list) and len(value) == n and key != "architectures":
+            kind.append((key, json.dumps(value[i], sort_keys=True)))
+        elif isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"):
+            kind.append((key, value[i]))  # Nemotron-H's hybrid_override_pattern: one character a layer
+    experts = _int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+                   or config.get("moe_num_experts"))
+    if experts:
+        dense = i in (config.get("mlp_only_layers") or [])
+        first_k = config.get("first_k_dense_replace")
+        if first_k is not None and i < _int(first_k):
+            dense = True
+        step = _int(config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or 0)
+        if step > 1 and (i + 1) % step != 0:
+            dense = True
+        freq = _int(config.get("moe_layer_freq") or 0)
+        if freq > 1 and i % freq != 0:
+            dense = True
+        kind.append(("mlp", "dense" if dense else "moe"))
+    for key in ("full_attention_interval", "sliding_window_pattern"):
+        every = _int(config.get(key) or 0)
+        if every > 1:
+            kind.append((key, (i + 1) % every == 0))
+    return tuple(kind)
+
+
+def shrink_config(config):
+    """(shrunk config, what was kept): the shortest prefix of the layers holding every kind."""
+    text_key = "text_config" if isinstance(config.get("text_config"), dict) and \
+        "num_hidden_layers" in config["text_config"] else None
+    target = dict(config[text_key]) if text_key else dict(config)
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if _int(target.get(k)) > 0), None)
+    if key is None:
+        return None, "the config names no layer count (num_hidden_layers)"
+    n = _int(target[key])
+    if _int(target.get("first_k_dense_replace")) > 1:  # DeepSeek/GLM: one dense layer is a dense layer
+        target["first_k_dense_replace"] = 1
+    kinds = [layer_kind(target, i, n) for i in range(n)]
+    wanted = set(kinds)
+    keep, seen = n, set()
+    for i, kind in enumerate(kinds):
+        seen.add(kind)
+        if seen == wanted:
+            keep = i + 1
+            break
+    for k, value in list(target.items()):
+        if isinstance(value, list) and len(value) == n and k != "architectures":
+            target[k] = value[:keep]
+        elif isinstance(value, str) and len(value) == n and n > 1 and k.endswith("pattern"):
+            target[k] = value[:keep]
+    if isinstance(target.get("mlp_only_layers"), list):
+        target["mlp_only_layers"] = [i for i in target["mlp_only_layers"] if isinstance(i, int) and i < keep]
+    target[key] = keep
+    out = dict(config)
+    if text_key:
+        out[text_key] = target
+    else:
+        out = target
+    return out, {"layers": n, "kept": keep, "kinds": len(wanted)}
+
+
+def shrunk_model(model_path, config, work):
+    """A model directory: the shrunk config.json, every other file of the host's model that is
+    not weights linked (tokenizer, generation and quantization configs)."""
+    shrunk, info = shrink_config(config)
+    if shrunk is None:
+        return None, info
+    out = os.path.join(work, "model")
+    os.mkdir(out, 0o700)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(shrunk, f, indent=1)
+    for name in sorted(os.listdir(model_path))[:1000]:
+        src = os.path.join(model_path, name)
+        if name == "config.json" or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
+            continue
+        if os.path.isfile(src):
+            os.symlink(src, os.path.join(out, name))
+    return out, info
+
+
+# ---- the fix set, as patched copies the shim serves ----------------------------------------------
+
+def patched_copies(patches, work):
+    """{real path: copy path}: each file the patches touch, copied and patched with patch(1) in
+    order. A patch already applied on the host (its reverse applies) leaves its files as they are."""
+    overlay, refusals = {}, []
+    tree = os.path.join(work, "overlay")
+    for spec in patches:
+        files = []
+        for rel in spec["files"]:
+            real = resolve_in_site(rel)[0]
+            copy = overlay.get(real) or os.path.join(tree, rel)
+            if real not in overlay:
+                os.makedirs(os.path.dirname(copy), exist_ok=True)
+                shutil.copyfile(real, copy)
+                overlay[real] = copy
+            files.append(rel)
+        common = ["patch", "-p%d" % spec.get("strip", 1), "-F0", "-N", "-s", "-d", tree]
+        text = spec["text"].encode()
+        if subprocess.run(common + ["--dry-run"], input=text, capture_output=True).returncode == 0:
+            subprocess.run(common, input=text, capture_output=True, check=True)
+        elif subprocess.run(common + ["-R", "--dry-run"], input=text, capture_output=True).returncode != 0:
+            refusals.append("%s does not apply to the host's %s" % (spec["name"], ", ".join(files)))
+    return overlay, refusals
+
+
+# ---- the GPUs' free memory --------------------------------------------------------------------
+
+def gpu_memory(deadline_s=20):
+    """[{index, total_mib, free_mib}] from nvidia-smi; None where it is absent or gives no answer."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,memory.total,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, timeout=deadline_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpus = []
+    for line in out.stdout.decode("utf-8", "replace").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            gpus.append({"index": int(parts[0]), "total_mib": int(parts[1]), "free_mib": int(parts[2])})
+    return gpus or None
+
+
+# ---- the audit server ---------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(port, path, body=None, timeout=10):
+    import urllib.request
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read(8 << 20)
+
+
+def session_pids(sid):
+    return [pid for pid, facts in process_table().items() if facts["sid"] == sid]
+
+
+def end_session(proc, grace=10):
+    """The audit server and every process of its session: SIGTERM, then SIGKILL after `grace`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_pids(proc.pid) or ([proc.pid] if proc.poll() is None else []):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (proc.poll() is None or session_pids(proc.pid)):
+            time.sleep(0.2)
+        if proc.poll() is not None and not session_pids(proc.pid):
+            return True
+    proc.wait(timeout=5)
+    return not session_pids(proc.pid)
+
+
+def read_breaks(work):
+    records = []
+    try:
+        with open(os.path.join(work, "breaks.jsonl"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if len(records) >= MAX_BREAKS:
+                    break
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return records
+
+
+def captured_sizes(path, max_bytes=64 << 20):
+    """The prefill sizes the engine logged capturing (sglang's tqdm description "Capturing num
+    tokens (num_tokens=N ...)", rewritten in place with carriage returns)."""
+    import re
+    sizes = set()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    for m in re.finditer(rb"num_tokens=(\d{1,7})", data):
+        sizes.add(int(m.group(1)))
+    return sorted(sizes)
+
+
+def log_tail(path, lines=MAX_LOG_TAIL, max_bytes=256 * 1024):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line[:2000] for line in text.splitlines()[-lines:]]
+
+
+def prefill_logprobs(port, lengths, vocab, timeout):
+    """The prefill's input_token_logprobs at each length (sglang's /generate), or why not."""
+    out = {}
+    for n in lengths:
+        ids = [(7919 * i + 13) % max(vocab - 20, 1) + 10 for i in range(n)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True, "logprob_start_len": 0}
+        try:
+            status, data = http_json(port, "/generate", body, timeout=timeout)
+            meta = json.loads(data.decode()).get("meta_info") or {}
+            out[str(n)] = [row[0] for row in meta.get("input_token_logprobs") or []]
+        except Exception as exc:  # noqa: BLE001 - a size the server would not answer: that size says why
+            out[str(n)] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300])}
+    return out
+
+
+def run_audit():
+    started = time.monotonic()
+    launch = ARGS["launch"]
+    config, why = read_config(ARGS["model_path"])
+    if config is None:
+        reply({"state": "not-audited", "why": why})
+        return
+    gpus = None
+    if ARGS.get("device", "cuda") == "cuda":
+        wanted = int(ARGS.get("gpus_needed") or 1)
+        fraction, overhead = float(ARGS.get("mem_fraction") or 0.05), int(ARGS.get("overhead_mib") or 3072)
+        gpus = gpu_memory()
+        if not gpus:
+            reply({"state": "not-audited", "why": "no GPU on this host (nvidia-smi absent or silent): the engine's "
+                   "capture runs on %d GPU(s) with %.0f%% of each one's memory plus ~%d MiB" % (
+                       wanted, fraction * 100, overhead)})
+            return
+        need = lambda g: int(fraction * g["total_mib"]) + overhead  # noqa: E731
+        short = [g for g in gpus[:wanted] if g["free_mib"] < need(g)]
+        if short or len(gpus) < wanted:
+            reply({"state": "not-audited", "gpus": gpus,
+                   "why": "too little free GPU memory: the audit needs %d GPU(s) with %s; %s" % (
+                       wanted, ", ".join("%d MiB free on GPU %d (it has %d)" % (need(g), g["index"], g["free_mib"])
+                                         for g in (short or gpus)[:8]),
+                       "set audit_mem_fraction lower, or free memory" if short else "the host has %d" % len(gpus))})
+            return
+    work = tempfile.mkdtemp(prefix="servops-audit-")
+    os.chmod(work, 0o700)
+    proc = None
+    try:
+        model, info = shrunk_model(ARGS["model_path"], config, work)
+        if model is None:
+            reply({"state": "not-audited", "why": info})
+            return
+        overlay, refusals = patched_copies(ARGS.get("patches") or [], work)
+        if refusals:
+            reply({"state": "not-audited", "why": "; ".join(refusals)})
+            return
+        with open(os.path.join(work, "overlay.json"), "w") as f:
+            json.dump(overlay, f)
+        with open(os.path.join(work, "sitecustomize.py"), "w") as f:
+            f.write(ARGS["shim"])
+        for name, text in (ARGS.get("server_files") or {}).items():
+            with open(os.path.join(work, os.path.basename(name)), "w") as f:
+                f.write(text)
+        port = free_port()
+        argv = [{"{SERVOPS_AUDIT_MODEL}": model, "{SERVOPS_AUDIT_PORT}": str(port)}.get(a, a) for a in launch["argv"]]
+        env = dict(os.environ)
+        env.update(launch.get("env") or {})
+        env["PYTHONPATH"] = work + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["SERVOPS_AUDIT_DIR"] = work
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = os.path.join(work, "server.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", launch["module"]] + argv, cwd=work, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        deadline = time.monotonic() + float(ARGS.get("timeout_s") or 900)
+        state, broke_at = "timeout", None
+        health = launch.get("health") or "/health"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                state = "exited"
+                break
+            if read_breaks(work):
+                broke_at = broke_at or time.monotonic()
+                if time.monotonic() - broke_at > float(ARGS.get("after_break_s") or 30):
+                    state = "broke"  # the engine did not end on its own: enough was seen
+                    break
+            try:
+                if http_json(port, health, timeout=3)[0] == 200:
+                    state = "healthy"
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(1)
+        result = {"state": state, "exit_code": proc.poll(), "port": port, "shrunk": info, "gpus": gpus,
+                  "argv": argv, "overlay": sorted(overlay), "captured": captured_sizes(log_path)}
+        compare = ARGS.get("compare")
+        if state == "healthy" and compare:
+            lengths = result["captured"] if compare["lengths"] == "captured" else compare["lengths"]
+            vocab = _int((config.get("text_config") or config).get("vocab_size"), 32000)
+            result["logprobs"] = prefill_logprobs(port, [n for n in lengths if n >= 2], vocab,
+                                                  float(compare.get("timeout_s") or 60))
+        result["ended"] = end_session(proc)
+        result["breaks"] = read_breaks(work)
+        result["log_tail"] = log_tail(log_path)
+        result["elapsed_s"] = round(time.monotonic() - started, 2)
+        if ARGS.get("journal"):
+            breaks = result["breaks"]
+            append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
+                "%d break(s): %s" % (len(breaks), (breaks[0].get("message") or "").strip().split("\n")[0][:200])
+                if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
+        reply(result)
+    finally:
+        if proc is not None and proc.poll() is None:
+            end_session(proc, grace=3)
+        if not ARGS.get("keep"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- the probe ----------------------------------------------------------------------------------
+
+def where_defined(path):
+    """The function's file as a patch names it: relative to site-packages, its distribution and
+    version, and the last lines a diff that appends to it needs as context."""
+    real = os.path.realpath(path)
+    site = next((s for s in site_dirs() if inside(real, s)), None)
+    if site is None:
+        return {"outside_site": real}
+    rel = real[len(site.rstrip(os.sep)) + 1:]
+    owner = owner_of(rel, site) or {}
+    with open(real, "rb") as f:
+        data = f.read()
+    text = data.decode("utf-8", "surrogateescape")
+    lines = text.splitlines()
+    return {"rel": rel, "dist": owner.get("name"), "dist_version": owner.get("version"), "line_count": len(lines),
+            "tail": lines[-3:], "ends_with_newline": data.endswith(b"\n"), "sha256": sha_bytes(data)}
+
+
+def run_probe():
+    work = tempfile.mkdtemp(prefix="servops-probe-")
+    os.chmod(work, 0o700)
+    try:
+        overlay, refusals = patched_copies(ARGS.get("patches") or [], work)
+        if refusals:
+            fail("; ".join(refusals))
+        with open(os.path.join(work, "overlay.json"), "w") as f:
+            json.dump(overlay, f)
+        shim = os.path.join(work, "audit_shim.py")
+        with open(shim, "w") as f:
+            f.write(ARGS["shim"])
+        request = os.path.join(work, "request.json")
+        with open(request, "w") as f:
+            json.dump(ARGS["request"], f)
+        env = dict(os.environ)
+        env.update(ARGS.get("env") or {})
+        env["SERVOPS_AUDIT_DIR"] = work
+        proc = subprocess.Popen([sys.executable, shim, "probe", request], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=float(ARGS.get("timeout_s") or 300))
+        except subprocess.TimeoutExpired:
+            end_session(proc, grace=3)
+            fail("the probe of %s did not end in %s s" % (ARGS["request"]["qualname"], ARGS.get("timeout_s") or 300))
+        lines = out.decode("utf-8", "replace").strip().splitlines()
+        try:
+            data = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
+            fail("the probe ended without an answer (exit %s): %s" % (proc.returncode, tail[0][:500]))
+        if "file" in data:
+            data.update(where_defined(data["file"]))
+        reply(data)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if ARGS.get("op") == "probe":
+    run_probe()
+else:
+    run_audit()
