@@ -26,6 +26,7 @@ with the release's workaround flag and why.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,19 +76,20 @@ def is_library_frame(frame: dict) -> bool:
         _site_relative(frame.get("file")) or not any(m in (frame.get("file") or "") for m in STDLIB_MARKERS))
 
 
+CALLEE = re.compile(r"(?:function|builtin) `([^`]+?)\.?`(?: in file `([^`]+)`)?")
+
+
 def _reason_line(record: dict) -> str:
-    message = str(record.get("message") or "")
-    first = message.strip().splitlines()[0] if message.strip() else record.get("type", "dynamo break")
-    skipped = next((ln.strip() for ln in message.splitlines() if "function `" in ln and "`" in ln), "")
-    import re
-    m = re.search(r"function `([^`]+)`(?: in file `([^`]+)`)?", skipped)
+    """Dynamo's first line, with the callee it named ("import_module in __init__.py", "posix.stat")."""
+    message = str(record.get("message") or "")[:20000]
+    first = message.strip().splitlines()[0] if message.strip() else str(record.get("type") or "dynamo break")
+    m = CALLEE.search(message)
     callee = f" ({m[1]}{' in ' + m[2].rsplit('/', 1)[-1] if m[2] else ''})" if m else ""
     return (first + callee)[:300]
 
 
 def _callee(record: dict) -> str | None:
-    import re
-    m = re.search(r"function `([^`]+)`", str(record.get("message") or ""))
+    m = CALLEE.search(str(record.get("message") or "")[:20000])
     return m[1] if m else None
 
 
@@ -348,10 +350,11 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
     outcome = Outcome(verdict="rounds-exhausted")
     launch = audit_launch(plan.hs, plan.engine, plan.launch)
     files = server_files(plan.hs, plan.resolved, plan.launch)
+    compare = {"context_length": plan.launch.args.get("context-length") or plan.launch.args.get("max-model-len")}
     for number in range(1, rounds + 1):
         patches = plan.fix_set + added
         res = run_audit(plan.hs, launch, patches, variant=plan.variant, files=files, round_no=number,
-                        compare={"lengths": "captured"} if unproven else None)
+                        compare=dict(compare, lengths="captured") if unproven else None)
         rnd = Round(number, res.get("state", "?"), patches=[p.name for p in patches],
                     elapsed_s=float(res.get("elapsed_s") or 0), captured=list(res.get("captured") or []))
         outcome.rounds.append(rnd)
@@ -372,7 +375,7 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
             rnd.detail = f"clean: {len(rnd.captured)} prefill size(s) compiled and captured"
             say(f"round {number}: {rnd.detail} ({rnd.elapsed_s:.0f} s)")
             if unproven:
-                if not prove(plan, files, patches, unproven, res, tolerance, outcome, say):
+                if not prove(plan, files, compare, patches, unproven, res, tolerance, outcome, say):
                     return outcome
                 outcome.written = write_to_store(unproven, outcome.rounds)
             outcome.verdict = "fixed" if added else "clean"
@@ -411,7 +414,7 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
     return outcome
 
 
-def prove(plan: Plan, files: dict[str, str], patches: list[Patch], unproven: list[Patch], res: dict,
+def prove(plan: Plan, files: dict[str, str], compare: dict, patches: list[Patch], unproven: list[Patch], res: dict,
           tolerance: float, outcome: Outcome, say) -> bool:
     """The compiled prefill equals the eager one at every captured size: the eager reference is
     the same audit server with the prefill graph off."""
@@ -426,7 +429,7 @@ def prove(plan: Plan, files: dict[str, str], patches: list[Patch], unproven: lis
     eager_launch = audit_launch(plan.hs, plan.engine, plan.launch, eager=eager_flags)
     reference = [p for p in patches if p not in unproven]  # the functions as they were, run eagerly
     ref = run_audit(plan.hs, eager_launch, reference, variant=plan.variant, files=files,
-                    round_no=len(outcome.rounds), compare={"lengths": sorted(int(k) for k in compiled)})
+                    round_no=len(outcome.rounds), compare=dict(compare, lengths=sorted(int(k) for k in compiled)))
     eager = ref.get("logprobs") if ref.get("state") == "healthy" else None
     if not isinstance(eager, dict):
         outcome.verdict = "failed"
@@ -436,12 +439,15 @@ def prove(plan: Plan, files: dict[str, str], patches: list[Patch], unproven: lis
         return False
     result = compare_logprobs(compiled, eager, tolerance)
     bad = [r for r in result["sizes"] if not r["ok"]]
+    skipped = list(res.get("compare_skipped") or [])
     say(f"proof: compiled vs eager prefill at {len(result['sizes'])} size(s): max |logprob diff| "
-        f"{result['max_abs_diff']:.3g} (tolerance {tolerance})" + (f"; {len(bad)} size(s) differ" if bad else ""))
+        f"{result['max_abs_diff']:.3g} (tolerance {tolerance})" + (f"; {len(bad)} size(s) differ" if bad else "")
+        + (f"; sizes past the context not compared: {skipped}" if skipped else ""))
     for p in unproven:
         meta = dict(p.synthesised or {})
         meta["proven"] = {"audit_rounds": len(outcome.rounds), "captured_sizes": sorted(int(k) for k in compiled),
                           "max_abs_logprob_diff": result["max_abs_diff"], "tolerance": tolerance,
+                          "not_compared": skipped,
                           "eager_reference": " ".join(f"--{k}" + ("" if v is True else f" {v}")
                                                       for k, v in eager_flags.items() if v is not None),
                           "ok": result["ok"]}

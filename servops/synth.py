@@ -365,7 +365,9 @@ def _guard(params: list[Param]) -> str:
     for p in params:
         if p.schema_type is None:
             conds.append(f"{p.name} is None")
-        elif p.optional and p.schema_type.endswith("?"):
+        elif p.optional and p.schema_type.startswith("Tensor") and p.schema_type.endswith("?"):
+            # which optional tensors were given decides what is mutated and returned: the op stands
+            # for the pattern the capture made, the function itself for any other
             seen = p.seen or _literal_default("None")
             conds.append(f"{p.name} is None" if seen.get("type") == "NoneType" else f"{p.name} is not None")
     return " and ".join(conds) or "True"
@@ -428,7 +430,7 @@ def code_block(func: str, params: list[Param], fit: Fit, op: str, why: list[str]
         "\n"
         "\n"
         f"def {func}({_wrapped(_def_params(params, f'_servops_defaults_{func}'), len(func) + 5)}):\n"
-        f"    if {_guard(params)}:  # the call pattern the capture made: opaque to dynamo\n"
+        f"    if {_guard(params)}:  # as the capture called it: opaque to dynamo\n"
         f"        _out = _servops_op_{func}({positional_op})\n"
         f"        return {rebuilt}\n"
         f"    return {raw}({_call_args(params)})\n"

@@ -21,7 +21,7 @@ _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
              "host_facts": ["procs", "launch_facts"],
              "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts"],
              "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"],
-             "end_command": ["procs"], "audit_compile": ["procs", "jsonl"],
+             "end_command": ["procs"], "audit_compile": ["procs", "jsonl", "model_shrink"],
              # a launch check that also answers what a deploy needs to know (PROGRAM+deploy_facts):
              # the current release (deploy_ctl's readers, included as a library), the patch state
              "deploy_facts": ["jsonl", "patch_core", "deploy_ctl"]}

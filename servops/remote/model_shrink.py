@@ -1,0 +1,133 @@
+# model_shrink: a model's config.json read bounded, and shrunk to the fewest layers that keep every
+# layer kind (dense and MoE MLPs, attention types, RoPE or not), for the audit's side server (its
+# weights are dummy: only the config and the tokenizer files travel). Standard library only: a
+# library of audit_compile.py, importable as servops.remote.model_shrink for tests.
+import json
+import os
+
+MAX_CONFIG_BYTES = 4 << 20        # a model's config.json: a real one is a few kB
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_config(model_path):
+    """The model's config.json, bounded: a regular file of at most MAX_CONFIG_BYTES."""
+    import stat as stat_mod
+    path = os.path.join(model_path, "config.json")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        return None, "cannot open %s: %s" % (path, exc.strerror)
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            return None, "%s is not a regular file" % path
+        if st.st_size > MAX_CONFIG_BYTES:
+            return None, "%s is %d bytes (a config.json is a few kB; at most %d read)" % (
+                path, st.st_size, MAX_CONFIG_BYTES)
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, "%s is not JSON: %s" % (path, str(exc)[:200])
+    if not isinstance(config, dict):
+        return None, "%s is not a JSON object" % path
+    return config, None
+
+
+# ---- the fewest layers that keep every layer kind ----------------------------------------------
+
+def _int(value, default=0):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def layer_kind(config, i, n):
+    """What makes layer i of this config differ from another (dense or MoE MLP, attention type,
+    RoPE or not), from the config's own per-layer rules and per-layer lists."""
+    kind = []
+    for key in sorted(config):
+        value = config[key]
+        if isinstance(value, list) and len(value) == n and key != "architectures":
+            kind.append((key, json.dumps(value[i], sort_keys=True)))
+        elif isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"):
+            kind.append((key, value[i]))  # Nemotron-H's hybrid_override_pattern: one character a layer
+    experts = _int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+                   or config.get("moe_num_experts"))
+    if experts:
+        dense = i in (config.get("mlp_only_layers") or [])
+        first_k = config.get("first_k_dense_replace")
+        if first_k is not None and i < _int(first_k):
+            dense = True
+        step = _int(config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or 0)
+        if step > 1 and (i + 1) % step != 0:
+            dense = True
+        freq = _int(config.get("moe_layer_freq") or 0)
+        if freq > 1 and i % freq != 0:
+            dense = True
+        kind.append(("mlp", "dense" if dense else "moe"))
+    for key in ("full_attention_interval", "sliding_window_pattern"):
+        every = _int(config.get(key) or 0)
+        if every > 1:
+            kind.append((key, (i + 1) % every == 0))
+    return tuple(kind)
+
+
+def shrink_config(config):
+    """(shrunk config, what was kept): the shortest prefix of the layers holding every kind."""
+    text_key = "text_config" if isinstance(config.get("text_config"), dict) and \
+        "num_hidden_layers" in config["text_config"] else None
+    target = dict(config[text_key]) if text_key else dict(config)
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if _int(target.get(k)) > 0), None)
+    if key is None:
+        return None, "the config names no layer count (num_hidden_layers)"
+    n = _int(target[key])
+    if _int(target.get("first_k_dense_replace")) > 1:  # DeepSeek/GLM: one dense layer is a dense layer
+        target["first_k_dense_replace"] = 1
+    kinds = [layer_kind(target, i, n) for i in range(n)]
+    wanted = set(kinds)
+    keep, seen = n, set()
+    for i, kind in enumerate(kinds):
+        seen.add(kind)
+        if seen == wanted:
+            keep = i + 1
+            break
+    for k, value in list(target.items()):
+        if isinstance(value, list) and len(value) == n and k != "architectures":
+            target[k] = value[:keep]
+        elif isinstance(value, str) and len(value) == n and n > 1 and k.endswith("pattern"):
+            target[k] = value[:keep]
+    if isinstance(target.get("mlp_only_layers"), list):
+        target["mlp_only_layers"] = [i for i in target["mlp_only_layers"] if isinstance(i, int) and i < keep]
+    target[key] = keep
+    out = dict(config)
+    if text_key:
+        out[text_key] = target
+    else:
+        out = target
+    return out, {"layers": n, "kept": keep, "kinds": len(wanted)}
+
+
+def shrunk_model(model_path, config, work):
+    """A model directory: the shrunk config.json, every other file of the host's model that is
+    not weights linked (tokenizer, generation and quantization configs)."""
+    shrunk, info = shrink_config(config)
+    if shrunk is None:
+        return None, info
+    out = os.path.join(work, "model")
+    os.mkdir(out, 0o700)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(shrunk, f, indent=1)
+    for name in sorted(os.listdir(model_path))[:1000]:
+        src = os.path.join(model_path, name)
+        if name == "config.json" or name in WEIGHT_INDEXES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."):
+            continue
+        if os.path.isfile(src):
+            os.symlink(src, os.path.join(out, name))
+    return out, info
+
+
