@@ -51,8 +51,9 @@ def test_the_version_patch_alone_crashes_in_the_jit_loader_and_the_complete_set_
     full = run_invoke("deploy", "--variant", "fp8pw", inventory=inv, env=benv)
     assert full.returncode == 0, full.stdout + full.stderr
     assert "flashinfer-fp8-blockscale-custom-op" in full.stdout
-    # a CPU host cannot run the call site's kernel: deploy says the proof did not happen, never a pass
-    assert "NOT proven on this host" in full.stdout and "no CUDA device" in full.stdout
+    # the launch compiles: the deploy audits its compiled region first; this host's model has no config with
+    # layers to shrink, and the deploy says the audit did not happen, never a pass
+    assert "NOT audited" in full.stdout and "num_hidden_layers" in full.stdout, full.stdout
     log = (lab.tmp / "deploy-lab1" / "current" / "server.log").read_text()
     assert "Capture piecewise cuda graph end." in log
     status = run_invoke("patch.status", inventory=inv, env=benv)

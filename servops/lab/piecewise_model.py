@@ -32,6 +32,13 @@ def lab_kernels_installed() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("labgemm", "labkernels"))
 
 
+def block_fp8(config: dict) -> bool:
+    """A block-FP8 checkpoint (what takes sglang's FP8 block-scale linear): its config's
+    quantization_config names fp8 with a weight_block_size."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "fp8" and bool(quant.get("weight_block_size"))
+
+
 def default_prefill_sizes(max_bs: int = 2048) -> list[int]:
     """sglang 0.5.17's default tc_piecewise capture sizes (server_args.py
     _generate_prefill_cuda_graph_batch_sizes; 2048 is its documented prefill default)."""

@@ -67,7 +67,12 @@ NCCL call: SIGTERM is ignored and they outlive the launcher.
 
 With --enable-piecewise-cuda-graph it really runs the dynamo trace SGLang's capture hits:
 torch.compile(fullgraph=True) over flashinfer.jit.cpp_ext.is_cuda_version_at_least on the host's
-own flashinfer file, so an unpatched venv crashes with the real torch._dynamo traceback.
+own flashinfer file, so an unpatched venv crashes with the real torch._dynamo traceback. On a
+block-FP8 model (its config.json's quantization_config) with --fp8-gemm-backend flashinfer_deepgemm,
+where the venv holds the lab kernels (servops/lab/kernels_dist), it compiles its whole forward and
+captures it at every prefill size the release would (--cuda-graph-bs-prefill, else sglang's
+defaults), largest first, and serves /generate's input_token_logprobs from it
+(servops/lab/piecewise_model.py).
 """
 
 from __future__ import annotations
@@ -955,10 +960,12 @@ def main(argv=None):
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
     model = None
     fp8 = getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm"
-    if args.enable_piecewise_cuda_graph and fp8 and piecewise_model.lab_kernels_installed():
-        # the venv holds the lab's FlashInfer- and sglang-shaped kernels: the whole forward is
-        # compiled and captured at the release's prefill sizes (piecewise_model.py)
-        model = piecewise_model.PiecewiseModel(_model_config(args.model_path),
+    config = _model_config(args.model_path)
+    whole = fp8 and piecewise_model.block_fp8(config) and piecewise_model.lab_kernels_installed()
+    if args.enable_piecewise_cuda_graph and whole:
+        # a block-FP8 model, and the venv holds the lab's FlashInfer- and sglang-shaped kernels: the
+        # whole forward is compiled and captured at the release's prefill sizes (piecewise_model.py)
+        model = piecewise_model.PiecewiseModel(config,
                                                opaque_gemm=fp8_call_is_opaque(args.sglang_package))
         sizes = piecewise_model.prefill_sizes(getattr(args, "sglang_server_args", {}) or {})
         log("Capture piecewise cuda graph begin. This can take up to several minutes.")
@@ -968,8 +975,8 @@ def main(argv=None):
         capture_fp8_linear(fp8_call_is_opaque(args.sglang_package))  # raises as the real server does
     elif args.enable_piecewise_cuda_graph:
         capture_piecewise_cuda_graph()  # raises, with the real traceback, on an unpatched flashinfer
-    elif fp8 and piecewise_model.lab_kernels_installed():
-        model = piecewise_model.PiecewiseModel(_model_config(args.model_path), opaque_gemm=False)  # eager
+    elif whole:
+        model = piecewise_model.PiecewiseModel(config, opaque_gemm=False)  # eager
     load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
     if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
         time.sleep(load_time)
