@@ -46,6 +46,8 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER") or "main"
 SLOT = int(os.environ.get("SERVOPS_TEST_SLOT") or 0)
 WORKER_INDEX = (int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit() else 0) + 8 * SLOT
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+# The worker's own copies of the venvs the tests patch (servops/lab/venvs.py worker_copy): per slot too.
+COPY_ID = f"slot{SLOT}-{WORKER}"
 if WORKERS > 1 or SLOT:  # 20000-29999 in slices of 312 (8 workers x 4 slots); 30000+ stays the lab's server ports
     slice_ = 10000 // 32
     os.environ[PORTS_ENV] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"
@@ -241,7 +243,7 @@ def ssh_client_key(tmp_path_factory) -> Path:
 def remote_env() -> dict:
     """This worker's copy of the cached real venv; its watched files are checked against RECORD
     before use."""
-    venv = remote_venv.worker_copy(remote_venv.build_venv(), WORKER)
+    venv = remote_venv.worker_copy(remote_venv.build_venv(), COPY_ID)
     site = remote_venv.site_packages(venv)
     record = record_of(site)
     if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
@@ -415,7 +417,7 @@ def sglang_venvs():
 
     def get(version: str) -> dict:
         if version not in built:
-            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), WORKER)
+            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), COPY_ID)
             site = remote_venv.site_packages(venv)
             record = record_of(site)
             if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
