@@ -131,3 +131,51 @@ def test_the_hand_written_gemm_patch_leaves_one_break_and_a_host_without_the_mod
     gone, _ = release_lab(lab, env, tmp_path, model_path=str(tmp_path / "no-such-model"))
     res = run_invoke("audit", "--variant", "fp8pw", inventory=gone, env=benv)
     assert res.returncode == 0 and "NOT audited" in res.stdout and "config.json" in res.stdout, res.stdout + res.stderr
+
+
+def test_an_audit_killed_midway_leaves_no_audit_server_and_the_next_one_sweeps_its_directory(
+        lab, sglang_release, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = sglang_release(VERSION)
+    inv, _port = release_lab(lab, env, tmp_path, model_path=str(fp8_model(tmp_path)))
+    benv = {"SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, **VARIANTS)),
+            "SERVOPS_PATCHES": str(store_copy(tmp_path)), "SERVOPS_RESULTS": str(tmp_path / "results"),
+            "SGLANG_DOUBLE_LOAD_TIME": "120"}  # the audit server sits in its start until killed
+
+    mark = f"CUDA_HOME={lab.tmp / 'cuda'}".encode()  # this lab's launch env, which the audit server gets
+
+    def audit_servers() -> dict[int, str]:
+        """pid -> work directory of each audit server process of this lab."""
+        found = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                cwd = os.readlink(proc / "cwd")
+                if cwd.startswith("/tmp/servops-audit-") and mark in (proc / "environ").read_bytes():
+                    found[int(proc.name)] = cwd
+            except OSError:
+                continue
+        return found
+
+    controller = subprocess.Popen([sys.executable, "-m", "invoke", "audit", "--variant", "fp8pw", "-I", str(inv)],
+                                  cwd=REPO, env=dict(os.environ, **benv), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not audit_servers():
+        time.sleep(0.5)
+    work_dirs = set(audit_servers().values())
+    assert work_dirs, "the audit server never started"
+    os.killpg(controller.pid, signal.SIGKILL)  # the controller dies: its SSH connection drops
+    controller.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and audit_servers():
+        time.sleep(0.5)
+    assert not audit_servers(), "an audit server outlived its audit"
+    assert all(Path(d).exists() for d in work_dirs)  # the killed program could not clean up ...
+    benv.pop("SGLANG_DOUBLE_LOAD_TIME")
+    run_invoke("audit", "--variant", "fp8pw", inventory=inv, env=benv, timeout=600)
+    assert not [d for d in work_dirs if Path(d).exists()]  # ... the next audit on the host did

@@ -165,6 +165,45 @@ def prefill_logprobs(port, lengths, vocab, timeout):
     return out
 
 
+def sweep_leftovers(prefixes=("servops-audit-", "servops-probe-")):
+    """Work directories of audit programs that were killed (their `owner` pid no longer runs the
+    program that made them): removed, with any process still running in them."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(prefixes) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, "owner")) as f:
+                pid, start = f.read().split()
+            if proc_starttime(int(pid)) == start:
+                continue  # its audit still runs
+        except (OSError, ValueError):
+            try:
+                if time.time() - os.stat(path).st_mtime < 60:
+                    continue  # being made right now (its owner file not written yet)
+            except OSError:
+                continue
+        for pid, facts in process_table().items():
+            try:
+                if os.readlink("/proc/%d/cwd" % pid).startswith(path):
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def work_dir(prefix):
+    sweep_leftovers()
+    work = tempfile.mkdtemp(prefix=prefix)
+    os.chmod(work, 0o700)
+    with open(os.path.join(work, "owner"), "w") as f:
+        f.write("%d %s" % (os.getpid(), proc_starttime(os.getpid())))
+    return work
+
+
 def run_audit():
     started = time.monotonic()
     launch = ARGS["launch"]
@@ -191,8 +230,7 @@ def run_audit():
                                          for g in (short or gpus)[:8]),
                        "set audit_mem_fraction lower, or free memory" if short else "the host has %d" % len(gpus))})
             return
-    work = tempfile.mkdtemp(prefix="servops-audit-")
-    os.chmod(work, 0o700)
+    work = work_dir("servops-audit-")
     proc = None
     try:
         model, info = shrunk_model(ARGS["model_path"], config, work)
@@ -290,8 +328,7 @@ def where_defined(path):
 
 
 def run_probe():
-    work = tempfile.mkdtemp(prefix="servops-probe-")
-    os.chmod(work, 0o700)
+    work = work_dir("servops-probe-")
     try:
         overlay, refusals = patched_copies(ARGS.get("patches") or [], work)
         if refusals:

@@ -241,9 +241,26 @@ def _chain_load_shadowed():
         spec.loader.exec_module(module)
 
 
+def _follow_parent():
+    """End this process when the one that started it ends: an audit program killed (SIGKILL, a
+    dropped SSH connection) must not leave its audit server on the GPUs. Each process of the
+    server (sglang spawns its schedulers with this sitecustomize) follows its own parent."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="servops-audit-follow-parent", daemon=True).start()
+
+
 def install():
     if not AUDIT_DIR:
         return
+    _follow_parent()
     _install_overlay()
     _after_import("torch._dynamo.symbolic_convert", _install_dynamo_hook)
     try:
