@@ -434,6 +434,13 @@ def code_block(func: str, params: list[Param], fit: Fit, op: str, why: list[str]
         f"        _out = _servops_op_{func}({positional_op})\n"
         f"        return {rebuilt}\n"
         f"    return {raw}({_call_args(params)})\n"
+        "\n"
+        "\n"
+        "# a module that imported the function under its name while this one was still loading (a cycle);\n"
+        "# read from each module's own namespace, never through a module __getattr__\n"
+        "for _servops_module in list(__import__('sys').modules.values()):\n"
+        f"    if getattr(_servops_module, '__dict__', {{}}).get({func!r}) is {raw}:\n"
+        f"        _servops_module.__dict__[{func!r}] = {func}\n"
     )
 
 
