@@ -561,15 +561,16 @@ def releases_(c, pin="", unpin="", why="", hosts=None, inventory=None):
                "recent failed release, else the current one).",
     "log": "A local log file instead of a release's server.log (its frames are still resolved on the host).",
     "offline": "With --log: diagnose here, without a host (no source context or version checks).",
-    "json": "Print one JSON object per failure (category: a known issue's, else the evidence's with its confidence "
-            "and evidence lines; action; entry, root/final exception, frames, ranks); the verdict goes to stderr.",
+    "json": "Print one JSON object per failure (verdict: explained by a known issue or unexplained; category: a known "
+            "issue's, else the evidence's above its threshold, else null with `leans`; confidence and evidence lines; "
+            "action; entry, root/final exception, frames, ranks); the verdict line goes to stderr.",
     "explain": "Show the call chain from the entry point (e.g. the graph capture) to the failing call.",
     "context": "Source lines shown around each frame.",
     "allow_outside": "Also read frame files outside the host venv's site-packages and stdlib.",
 }, bounds={"context": (0, 200)})
 def diagnose(c, release="", log="", offline=False, json=False, explain=False, context=3, allow_outside=False,
              hosts=None, inventory=None):
-    """Explain crashes: failures in the log, each frame's host source, known issues, else a category from the evidence; the next action; with several hosts, one row per distinct failure. Exit 0 matched or clean, 1 unexplained errors or a server that died."""
+    """Explain crashes: failures in the log, each frame's host source, known issues, else a category from the evidence (shown above the held-out threshold, else uncategorised); the next action for the host's release; with several hosts, one row per distinct failure. Exit 0 only when the log shows no failure, 1 a failure (explained or not)."""
     from invoke import Exit
 
     from servops import diagnose as dg

@@ -6,8 +6,12 @@ its frames, signal names, error codes, words such as out of memory / NCCL / unde
 Two parts, added: a hand-written lexicon of cues (regex -> category, weight: below, written from
 what each category's failures say, not fitted), and a naive Bayes model over the words, word pairs,
 exception classes and frame modules of the evidence, learned from the labelled real logs of
-tests/fixtures/real (servops/data/diagnose_categories.json; bench/diagnose_kfold.py trains it,
-checks it held out by thread, and writes it). Pure functions; standard library only.
+tests/fixtures/real (servops/data/diagnose_categories.json; tests/diagnose_score.py --kfold checks it
+held out by thread and prints its calibration curve, --write-model writes it).
+
+A category is shown only when the model's confidence reaches the model's threshold, chosen held
+out by thread for at most 1 wrong category in 20 shown; below it the failure is "uncategorised"
+with the category it leans to. Pure functions; standard library only.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ MODEL_PATH = Path(__file__).resolve().parent / "data" / "diagnose_categories.jso
 # (category, weight, regex): what a category's failures say in any library's words. A weight of 3
 # is a cue that alone names the category; 1 one that only leans towards it.
 CUES = [
-    ("dynamo-trace", 3, r"torch\._dynamo|\bDynamo\b|TorchDynamo|InternalTorchDynamoError|graph break|from user code:"),
+    ("dynamo-trace", 3, r"torch\._dynamo|\bDynamo\b|TorchDynamo|InternalTorchDynamoError|graph break|from user code:|"
+                        r"TORCHDYNAMO_VERBOSE|fall back to eager|stream is capturing|StreamCaptureUnsupported"),
     ("dynamo-trace", 1, r"torch\.compile|\bUnsupported: |piecewise"),
     ("cuda-oom", 3, r"(?i)out of memory|OutOfMemoryError|\bOOM\b|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
                     r"No available memory for the cache blocks|Tried to allocate"),
@@ -65,14 +70,19 @@ CUES = [
                        r"resource temporarily unavailable|/dev/shm|\bshm\b|SIGBUS|Bus error|No space left|ENOSPC|"
                        r"oom-kill|OOMKilled|Killed process|RLIMIT"),
     ("host-limits", 1, r"(?i)shared memory|\bKilled\b|\bthreads?\b|file descriptor|disk"),
-    # a bus error where shared memory is set up: /dev/shm too small for NCCL's or the allocator's segments
-    ("host-limits", 4, r"(?i)(?:bus error|sigbus|signal 7\b).*(?:/dev/shm|\bshm|shared memory)|"
-                       r"(?:/dev/shm|\bshm|shared memory).*(?:bus error|sigbus|signal 7\b)"),
+    # a bus error where shared memory is set up: /dev/shm too small for NCCL's or the allocator's
+    # segments (both in one line; two patterns, each searched once: no backtracking over the line)
+    ("host-limits", 4, (r"(?i)bus error|sigbus|signal 7\b", r"(?i)/dev/shm|\bshm|shared memory")),
     ("engine-death", 3, r"EngineDeadError|EngineCore failed|Engine core initialization failed|scheduler is dead|"
                         r"Child process unexpectedly|RayActorError|actor died|ChildFailedError|WorkerProc"),
     ("engine-death", 1, r"(?i)exit ?code|SIGQUIT|sigquit|\bdied\b|terminated|\bdead\b|engine core"),
 ]
-_CUES = [(cat, w, re.compile(rx)) for cat, w, rx in CUES]
+_CUES = [(cat, w, tuple(re.compile(r) for r in (rx if isinstance(rx, tuple) else (rx,)))) for cat, w, rx in CUES]
+# Exception classes any library raises for anything: a bare AssertionError, NotImplementedError,
+# ValueError, RuntimeError or a TGI ShardFailed names no category by itself (what its message says
+# decides).
+GENERIC = frozenset({"assertionerror", "notimplementederror", "valueerror", "runtimeerror", "exception", "shardfailed",
+                     "error"})
 
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _HEXISH = re.compile(r"^(?:0x)?[0-9a-f]{6,}$|^\d")
@@ -91,6 +101,12 @@ class Category:
     confidence: float          # the model's probability of it, 0..1
     evidence: list[str] = field(default_factory=list)   # the lines that point to it most
     scores: dict[str, float] = field(default_factory=dict)
+    threshold: float = 0.0     # the confidence below which it is not shown (the model's)
+
+    @property
+    def shown(self) -> bool:
+        """Whether it is the category a user reads, not only the one the evidence leans to."""
+        return self.name != "unknown" and self.confidence >= self.threshold
 
 
 def _path_tokens(frame: str) -> set[str]:
@@ -118,14 +134,14 @@ def _path_tokens(frame: str) -> set[str]:
 def line_features(line: str) -> set[str]:
     """Words (`w:`) and word pairs (`b:`) of one evidence line."""
     words = [w.lower() for w in _WORD.findall(line)]
-    words = [w for w in words if len(w) >= 3 and w not in _STOP and not _HEXISH.match(w)]
+    words = [w for w in words if len(w) >= 3 and w not in _STOP and w not in GENERIC and not _HEXISH.match(w)]
     feats = {"w:" + w for w in words}
     feats.update("b:%s_%s" % pair for pair in zip(words, words[1:]))
     return feats
 
 
 def cues_of(line: str) -> list[tuple[str, int]]:
-    return [(cat, w) for cat, w, rx in _CUES if rx.search(line)]
+    return [(cat, w) for cat, w, rxs in _CUES if all(rx.search(line) for rx in rxs)]
 
 
 # A wrapper's message with the real error quoted inside it (`Worker failed with error '...'`,
@@ -139,12 +155,21 @@ def unwrap(line: str) -> str:
     return m.group("inner") if m else line
 
 
-def features(types: list[str], text: str, frames: list[str], classes: list[str] = ()) -> tuple[set[str], list[str]]:
-    """(features, evidence lines) of one failure's evidence (diagnose.evidence)."""
+def features(types: list[str], text: str, frames: list[str], classes: list[str] = (),
+             epitaph=lambda line: False) -> tuple[set[str], list[str]]:
+    """(features, evidence lines) of one failure's evidence (diagnose.evidence). A line that only
+    reports a death (`epitaph`: an engine core or worker that failed to start) weighs nothing
+    beside anything else the failure shows."""
     lines = [unwrap(ln.strip()) for ln in text.split("\n") if ln.strip()]
+    said = [ln for ln in lines if not epitaph(ln)]
+    if said or frames:
+        lines = said
     feats: set[str] = set()
     for t in types:
-        feats.add("exc:" + t.rsplit(".", 1)[-1].lower())
+        name = t.rsplit(".", 1)[-1].lower()
+        if name in GENERIC:
+            continue
+        feats.add("exc:" + name)
         if "." in t:
             feats.add("excmod:" + t.split(".", 1)[0].lower())
     for ln in lines:
@@ -227,7 +252,7 @@ def classify(feats: set[str], lines: list[str], model: dict | None, cue_weight: 
 
     pulls = sorted(((pull(ln, cues), k) for k, (ln, cues) in enumerate(zip(lines, line_cues))), reverse=True)
     evidence = [lines[k] for k in sorted(k for v, k in pulls[:2] if v > 0)]
-    return Category(top, round(confidence, 2), evidence, scores)
+    return Category(top, round(confidence, 2), evidence, scores, (model or {}).get("threshold", 0.0))
 
 
 _MODEL: dict | None = None

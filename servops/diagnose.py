@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import ServopsError
+from .nextstep import ACTION, CATEGORY_ACTIONS, HostFacts, action_of  # noqa: F401 (CATEGORY_ACTIONS: re-exported)
 from .output import console, err_console, json_text
 from .patchstore import PATCH_ROOT
 from .redact import Redactor
 from .releases import deploy_root
 from .remote_exec import run_program
-from .remote.tracebacks import NO_EXCEPTION_LINE
+from .remote.tracebacks import BOILERPLATE, NO_EXCEPTION_LINE, epitaph
 from .schema import load_yaml, read_text
 from .transport import HostSession
 
@@ -31,16 +32,6 @@ CATEGORIES = ("dynamo-trace", "cuda-oom", "nccl", "illegal-memory-access", "jit-
               "model-load", "port-in-use", "triton-resources", "quantization", "config", "install", "host-limits",
               "engine-death")
 _CONDITIONS = {"exception", "root", "final", "message", "frames", "code", "not"}
-# What the operator does next (a known issue's `action:`, else its category's): one of these.
-_ACTION = re.compile(r"^(?:apply patch [A-Za-z0-9][\w.-]*|change flag (?:--[a-z][\w-]*|\(the one the message names\))|"
-                     r"restart|free GPU memory|drain host|fix the model path|fix the install)$")
-CATEGORY_ACTIONS = {
-    "dynamo-trace": "change flag --disable-piecewise-cuda-graph", "cuda-oom": "change flag --mem-fraction-static",
-    "nccl": "drain host", "illegal-memory-access": "change flag --attention-backend", "jit-build": "fix the install",
-    "arch-unsupported": "fix the install", "model-load": "fix the model path", "port-in-use": "change flag --port",
-    "triton-resources": "change flag --attention-backend", "quantization": "change flag --quantization",
-    "config": "change flag (the one the message names)", "install": "fix the install", "host-limits": "drain host",
-    "engine-death": "restart"}
 # Weights for ranking hits: a frame or a source line pins a failure down more than a message.
 _WEIGHTS = {"frames": 3, "code": 3, "exception": 2, "root": 2, "final": 2, "message": 1}
 _RELEASE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -57,7 +48,9 @@ class DiagnoseError(ServopsError):
 
 # -- the knowledge base ----------------------------------------------------------------------
 
-def known_issues(path: Path | None = None) -> list[dict]:
+def known_issues(path: Path | None = None, *, bounded: bool = True) -> list[dict]:
+    """The knowledge base; `bounded`: refuse a pattern whose cost grows with the square of a line
+    (off only to read a historic knowledge base as it was, tests/diagnose_score.py --before)."""
     path = path or PATCH_ROOT / "known_issues.yml"
     data = load_yaml(read_text(path, DiagnoseError), path, DiagnoseError) or []
     if not isinstance(data, list):
@@ -77,9 +70,10 @@ def known_issues(path: Path | None = None) -> list[dict]:
         seen.add(eid)
         if entry["category"] not in CATEGORIES:
             raise DiagnoseError(f"{path}: entry {eid}: category {entry['category']!r} is not one of {', '.join(CATEGORIES)}")
-        if "action" in entry and not _ACTION.match(str(entry["action"])):
+        if "action" in entry and not ACTION.match(str(entry["action"])):
             raise DiagnoseError(f"{path}: entry {eid}: action {entry['action']!r} is not one of: apply patch NAME, "
-                                f"change flag --FLAG, restart, free GPU memory, drain host, fix the model path, fix the install")
+                                f"change flag --FLAG, restart, free GPU memory, drain host, fix the model path, fix the install, "
+                                f"audit the compiled region, disable CUDA graphs")
         alternatives = _alternatives(entry)
         if not alternatives:
             raise DiagnoseError(f"{path}: entry {eid} has no 'match' (or 'any') conditions")
@@ -93,16 +87,15 @@ def known_issues(path: Path | None = None) -> list[dict]:
                         re.compile(rx)
                     except re.error as exc:
                         raise DiagnoseError(f"{path}: {eid}.{key}: bad regex {rx!r}: {exc}") from None
+                    if bounded and _LEADING_REPEAT.match(rx):
+                        raise DiagnoseError(f"{path}: {eid}.{key}: regex {rx!r} starts with an unbounded repeat, which "
+                                            f"retries at every position of a long line: bound it ({{1,80}}) or anchor it")
     return data
 
 
-def action_of(entry: dict | None, category: str | None = None) -> str | None:
-    """What to do next for a known issue (its `action:`, else the patch it names, else its
-    category's), or for a category alone."""
-    if entry is not None:
-        patch = (entry.get("suggest") or {}).get("patch")
-        return entry.get("action") or (f"apply patch {patch}" if patch else CATEGORY_ACTIONS[entry["category"]])
-    return CATEGORY_ACTIONS.get(category or "")
+# A pattern (or an alternative of it) that opens with \w+, \S+, .* or .+ costs the square of a
+# line's length on a line of one long word: refused in the knowledge base.
+_LEADING_REPEAT = re.compile(r"^(?:\(\?[a-zA-Z]+\))?(?:[^()|\\]*\|)*(?:\\[wWsSdD]|\.|\[[^\]]*\])[+*]")
 
 
 def _alternatives(entry: dict) -> list[dict]:
@@ -138,6 +131,14 @@ class Evidence:
     final: str
 
 
+# What the knowledge base and the category read of one failure: each line by its first 2,000
+# characters, at most 200 lines and 400 frames (every pattern then sees a bounded text, whatever
+# the log holds), without the boilerplate every CUDA/HIP error carries.
+_EVIDENCE_LINE = 2000
+_EVIDENCE_LINES = 200
+_EVIDENCE_FRAMES = 400
+
+
 def evidence(f: dict) -> Evidence:
     """What the knowledge base is matched against: the normalised failure, not only its last traceback."""
     types, text = [], []
@@ -167,12 +168,15 @@ def evidence(f: dict) -> Evidence:
     if f.get("fatal"):
         text.append("Fatal Python error: " + f["fatal"]["message"])
     text.extend(e["text"] for e in f.get("errors") or [])
+    lines = [ln[:_EVIDENCE_LINE] for chunk in text for ln in chunk.split("\n") if not BOILERPLATE.search(ln)]
     frames = [f"{fr['path']}:{fr['func']}" for fr in finding_frames(f)]
     cxx = (f.get("abort") or {}).get("cxx_frames") or []
     cxx += (f.get("cxx") or {}).get("cxx_frames") or []
     frames.extend(cxx)
-    codes = [fr["code"] for fr in finding_frames(f) if fr.get("code")]
-    return Evidence(types, "\n".join(text), frames, codes, f.get("root_exception", ""), f.get("final_exception", ""))
+    codes = [fr["code"][:_EVIDENCE_LINE] for fr in finding_frames(f)[:_EVIDENCE_FRAMES] if fr.get("code")]
+    return Evidence(types[:_EVIDENCE_LINES], "\n".join(lines[:_EVIDENCE_LINES]),
+                    [fr[:_EVIDENCE_LINE] for fr in frames[:_EVIDENCE_FRAMES]], codes,
+                    f.get("root_exception", "")[:_EVIDENCE_LINE], f.get("final_exception", "")[:_EVIDENCE_LINE])
 
 
 def _score(cond: dict, ev: Evidence) -> int | None:
@@ -237,29 +241,71 @@ def rank_by_evidence(finding: dict, hits: list[dict]) -> list[dict]:
 def match_log(findings: list[dict], issues: list[dict]) -> tuple[list[list[dict]], list[dict | None]]:
     """match() for each finding of one log, with the fallback rule lifted to the log: a finding
     only a `fallback` entry matches ("the engine core failed to start") reports a failure, and
-    where another finding of the same log names a cause, that is the failure it reports: it
-    names no known issue of its own. Returns each finding's hits and, for such a finding, the
-    fallback entry it was left without (else None)."""
+    where another finding of the same log names a cause - a known issue, or a real error of its
+    own before it (the first real error wins over a wrapper's epitaph) - that is the failure it
+    reports: it names no known issue of its own. Returns each finding's hits and, for such a
+    finding, the fallback entry it was left without (else None)."""
     all_hits = [rank_by_evidence(f, match(f, issues)) for f in findings]
-    if not any(hits and not hits[0].get("fallback") for hits in all_hits):
-        return all_hits, [None] * len(all_hits)
-    reports = [hits[0] if hits and hits[0].get("fallback") else None for hits in all_hits]
+    cause_named = any(hits and not hits[0].get("fallback") for hits in all_hits)
+
+    def left_for_then(k: int) -> bool:
+        f, hits = findings[k], all_hits[k]
+        if not (hits and hits[0].get("fallback")):
+            return False
+        if cause_named:
+            return True
+        # a wrapper's epitaph after an error the log shows itself (in this finding, or an earlier one)
+        return holds_an_epitaph(f) and (shows_a_cause(f) or any(
+            shows_a_cause(g) and not all_hits[j] for j, g in enumerate(findings) if g["line"] < f["line"]))
+
+    reports = [all_hits[k][0] if left_for_then(k) else None for k in range(len(findings))]
     return [[] if fallback else hits for hits, fallback in zip(all_hits, reports)], reports
+
+
+def shows_a_cause(f: dict) -> bool:
+    """A finding that says what went wrong: an exception line or an error of its own, not only a
+    wrapper's epitaph or advice."""
+    return f["root_exception"] != NO_EXCEPTION_LINE and not reports_a_death(f) and not (
+        f.get("kind") == "errors" and all(e["class"] in ("hint", "dynamo-hint") for e in f.get("errors") or []))
+
+
+def holds_an_epitaph(f: dict) -> bool:
+    """A finding that reports a death somewhere in it: its root, an exception of its chain, an exit line."""
+    return reports_a_death(f) or _cause_part(f) is not f or any(
+        e["class"] == "exit" or epitaph(e["text"]) for e in f.get("errors") or [])
+
+
+def reports_a_death(f: dict) -> bool:
+    """A finding whose root only says that a process died or failed to start (an engine core, a
+    worker, a scheduler's "hit an exception", an actor): the epitaph of a failure, not its cause."""
+    return epitaph(f.get("root_exception") or "")
 
 
 def shown_finding(findings: list[dict], hits: list[list[dict]]) -> dict | None:
     """The finding whose root the user reads as the log's: the first a known issue names, else the
-    first with its exception line, else the first."""
+    first real error (with its exception line, not a wrapper's epitaph), else the first with its
+    exception line, else the first."""
     return next((f for f, h in zip(findings, hits) if h), None) \
+        or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE and not reports_a_death(f)), None) \
         or next((f for f in findings if f["root_exception"] != NO_EXCEPTION_LINE), None) or (findings or [None])[0]
 
 
+def _cause_part(f: dict) -> dict:
+    """The finding without its exceptions that only report a death (a wrapper's epitaph, with its
+    frames), where its root is a cause of its own: what its category is read from."""
+    if reports_a_death(f):
+        return f
+    chain = [e for e in f.get("chain") or [] if not (e.get("type") and epitaph(f"{e['type']}: {e.get('message', '')}"))]
+    return f if len(chain) == len(f.get("chain") or []) else dict(f, chain=chain)
+
+
 def finding_features(f: dict) -> tuple[set[str], list[str]]:
-    """What the category model reads of a finding: its evidence's words, classes and frames."""
+    """What the category model reads of a finding: its evidence's words, classes and frames (of its
+    cause: a wrapper's epitaph weighs nothing beside it)."""
     from .categorize import features
 
-    ev = evidence(f)
-    return features(ev.types, ev.text, ev.frames, [e["class"] for e in f.get("errors") or []])
+    ev = evidence(_cause_part(f))
+    return features(ev.types, ev.text, ev.frames, [e["class"] for e in f.get("errors") or []], epitaph)
 
 
 def categorize(findings: list[dict], model: dict | None = None, cue_weight: float | None = None,
@@ -271,6 +317,9 @@ def categorize(findings: list[dict], model: dict | None = None, cue_weight: floa
 
     model = model if model is not None else load_model()
     feats: set[str] = set()
+    causes = [f for f in findings if not reports_a_death(f)]
+    findings = causes or findings  # (a wrapper's epitaph weighs nothing beside the error it reports)
+    extra = [ln for ln in extra if not (causes and epitaph(ln))]
     lines: list[str] = list(extra)
     for ln in extra:
         feats |= line_features(ln)
@@ -321,19 +370,16 @@ MAX_LOCAL_LOG = 16 << 20  # as on the host (remote/diagnose_ctx.py): the end of 
 
 
 def read_local_log(path: Path) -> tuple[str, bool]:
-    """The last MAX_LOCAL_LOG bytes of a local log (from a line start), and whether it was cut."""
+    """The last MAX_LOCAL_LOG bytes of a local log (from a line start, the line the cut falls in
+    read by its head), and whether it was cut."""
+    from .remote.logscan import read_tail
+
     try:
-        size = path.stat().st_size
         with open(path, "rb") as fh:
-            if size > MAX_LOCAL_LOG:
-                fh.seek(size - MAX_LOCAL_LOG)
-                data = fh.read(MAX_LOCAL_LOG)
-                data = data[data.find(b"\n") + 1:]
-            else:
-                data = fh.read(MAX_LOCAL_LOG)
+            data, cut = read_tail(fh, os.fstat(fh.fileno()).st_size, MAX_LOCAL_LOG)
     except OSError as exc:
         raise DiagnoseError(f"--log {str(path)!r}: cannot read it: {exc.strerror or exc}") from None
-    return data.decode("utf-8", "replace"), size > MAX_LOCAL_LOG
+    return data.decode("utf-8", "replace"), cut
 
 
 def diagnose(hs: HostSession, release: str | None = None, log_text: str | None = None, context: int = 3,
@@ -383,6 +429,11 @@ class HostReport:
     root: str = ""                 # the root exception the user reads (the fleet view groups by it)
 
     @property
+    def failed(self) -> bool:
+        """Whether the log shows a failure (explained or not)."""
+        return bool(self.findings or self.ended or self.matched)
+
+    @property
     def verdict(self) -> str:
         act = f"; action: {self.action}" if self.action else ""
         if self.matched:
@@ -391,8 +442,7 @@ class HostReport:
             return f"matched: {entry} ({cat})" + (f" and {more} more known issue(s)" if more > 0 else "") + act
         head = "no known issue matched"
         if self.category is not None:
-            head += f" — category {self.category.name}" + (
-                f" ({self.category.confidence:.2f}){act}" if self.category.name != "unknown" else "")
+            head += " — " + category_text(self.category) + (act if self.category.shown else "")
         if self.ended:
             how = " (the log stops inside a traceback)" if self.ended.get("how") == "mid-traceback" else ""
             return f"{head} — the server ended abnormally: {self.ended['text']}{how}"
@@ -402,9 +452,19 @@ class HostReport:
 
     @property
     def exit_code(self) -> int:
-        """0: a known issue explains it, or nothing failed; 1: a failure nothing explains, or a
-        server that died - never the exit of a healthy log."""
-        return 1 if (self.findings or self.ended) and not self.matched else 0
+        """0 only when the log shows no failure; a failure, explained by a known issue or not, is 1
+        (`diagnose && deploy` stops after a crash; the verdict says whether a known issue explains it)."""
+        return 1 if self.failed else 0
+
+
+def category_text(cat) -> str:
+    """A category from the evidence as a user reads it: shown above the model's threshold, else
+    uncategorised with the category it leans to (neither right nor wrong)."""
+    if cat.name == "unknown":
+        return "uncategorised (nothing in its lines points to a category)"
+    if cat.shown:
+        return f"category {cat.name} ({cat.confidence:.2f})"
+    return f"uncategorised (leans {cat.name}, {cat.confidence:.2f})"
 
 
 def _ranks_text(f: dict) -> str:
@@ -414,20 +474,32 @@ def _ranks_text(f: dict) -> str:
     return f"{len(ranks)} ranks, first at {ranks[0]}"
 
 
-def to_json(host: str, result: dict, f: dict, hits: list[dict], cat=None) -> dict:
+def finding_action(hits: list[dict], cat, facts: HostFacts) -> str | None:
+    """A finding's next step: its known issue's, else its shown category's (none where uncategorised)."""
+    if hits:
+        return action_of(hits[0], facts=facts)
+    return action_of(None, cat.name, facts) if cat is not None and cat.shown else None
+
+
+def to_json(host: str, result: dict, f: dict, hits: list[dict], cat=None, facts: HostFacts = HostFacts(),
+            then: list[str] = ()) -> dict:
     top = hits[0] if hits else None
+    shown = top is None and cat is not None and cat.shown
     return {"host": host, "source": result.get("source"), "release": result.get("release"),
-            "category": top["category"] if top else (cat.name if cat else None),
-            "category_from": "known issue" if top else ("evidence" if cat else None),
+            # "explained": a known issue names it; "unexplained": a failure nothing in the knowledge base explains
+            "verdict": "explained" if top else "unexplained",
+            "category": top["category"] if top else (cat.name if shown else None),
+            "category_from": "known issue" if top else ("evidence" if shown else ("uncategorised" if cat else None)),
+            "leans": cat.name if cat is not None and not top and not shown and cat.name != "unknown" else None,
             "confidence": 1.0 if top else (cat.confidence if cat else None),
             "evidence": cat.evidence if cat and not top else [],
-            "action": action_of(top) if top else (action_of(None, cat.name) if cat else None),
+            "action": finding_action(hits, cat, facts),
             "entry": top["id"] if top else None,
             "title": top["title"] if top else None, "also": [h["id"] for h in hits[1:]],
             "root_exception": f.get("root_exception"), "final_exception": f.get("final_exception"),
             "frames": len(finding_frames(f)), "ranks": f.get("ranks") or [], "occurrences": f.get("occurrences", 1),
             "kind": f.get("kind"), "first_line": f.get("line"),
-            "then": [c["text"] for c in f.get("consequences") or []],
+            "then": [c["text"] for c in f.get("consequences") or []] + list(then),
             "errors": sorted({e["class"] for e in f.get("errors") or []}),
             "next": (top.get("suggest") or {}) if top else {}, "link": top.get("link") if top else None}
 
@@ -522,7 +594,8 @@ def _print_frames(p: _Printer, title: str, frames: list[dict], offline: bool):
 
 
 def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: list[dict], explain: bool,
-                  offline: bool, reported: dict | None = None, cat=None):
+                  offline: bool, reported: dict | None = None, cat=None, facts: HostFacts = HostFacts(),
+                  then: list[str] = ()):
     lines = f"log line {f['line']}" + (f"-{f['last']}" if f.get("last", f["line"]) > f["line"] else "")
     occ = f", {f['occurrences']} times" if f.get("occurrences", 1) > 1 else ""
     p.rule(f"{host}: failure {n}/{total} ({lines}, {_ranks_text(f)}{occ})")
@@ -536,13 +609,16 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
         steps = [chain[0]["type"]]
         for k, exc in enumerate(chain[1:]):
             link = links[k] if k < len(links) else ""
-            how = {"cause": "caused", "group": "reported by"}.get(link, "then, while handling it")
+            how = {"cause": "caused", "group": "reported by", "earlier": "logged earlier, then"}.get(
+                link, "then, while handling it")
             steps.append(f"({how}) {exc['type']}")
         p.line("chain: ", " -> ".join(steps))
     if f.get("cut_above"):
         p.line(("the log starts mid-chain: an earlier exception was cut off", "dim"))
     for c in (f.get("consequences") or [])[:3]:
         p.line("then: ", c["text"], f"  (line {c['line']})")
+    for t in then:
+        p.line("then: ", t)
     for exc in f.get("chain") or []:
         if exc.get("context") and exc["context"] not in root:
             p.line("context: ", exc["context"])
@@ -584,7 +660,7 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
     if hits:
         hit = hits[0]
         p.line(("known issue ", "bold yellow"), (hit["id"], "bold yellow"), f" ({hit['category']}): ", hit["title"],
-               ("  action: ", "bold"), action_of(hit))
+               ("  action: ", "bold"), action_of(hit, facts=facts))
         p.line(" ".join(str(hit["explanation"]).split()), indent=2)
         for key, value in (hit.get("suggest") or {}).items():
             p.line(f"suggest {key}: ", str(value), indent=2)
@@ -599,11 +675,15 @@ def print_finding(p: _Printer, host: str, n: int, total: int, f: dict, hits: lis
         p.line(("no known issue matches this failure", "dim"))
     if not hits and not reported and cat is not None:
         if cat.name == "unknown":
-            p.line(("category: ", "bold"), "unknown (nothing in its lines points to one)")
-        else:
+            p.line(("category: ", "bold"), "uncategorised (nothing in its lines points to one)")
+        elif cat.shown:
             p.line(("category: ", "bold"), (cat.name, "bold yellow"),
                    f" (confidence {cat.confidence:.2f}; evidence: ", " | ".join(cat.evidence) or "its words", ")",
-                   ("  action: ", "bold"), action_of(None, cat.name))
+                   ("  action: ", "bold"), action_of(None, cat.name, facts))
+        else:
+            # below the threshold held-out logs set (1 wrong in 20 shown): what is known, and that it is not enough
+            p.line(("category: ", "bold"), f"uncategorised (leans {cat.name}, {cat.confidence:.2f}: too weak to name; "
+                   f"evidence: ", " | ".join(cat.evidence) or "its words", ")")
     if explain:
         p.line(("call chain", "bold"))
         for depth, step in enumerate(call_chain(f, hits[0].get("entry") if hits else None)):
@@ -620,20 +700,25 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
     rep = HostReport(host, findings=len(findings) + scan.get("more", 0), ended=scan.get("ended"))
     offline = bool(result.get("offline"))
     all_hits, reports = match_log(findings, issues)
+    facts = HostFacts.of(result, [fr["path"] for f in findings for fr in finding_frames(f)])
     for hits in all_hits:
         if hits:
             rep.matched.append((hits[0]["id"], hits[0]["category"]))
     cats = [None if hits or reported else categorize([f]) for f, hits, reported in zip(findings, all_hits, reports)]
     shown = shown_finding(findings, all_hits)
     rep.root = redact(shown["root_exception"] if shown else (rep.ended or {}).get("text", ""))
+    # the wrapper a known issue names where the log shows the cause itself: "then" of that cause
+    then = [f"{fb['id']} ({fb['category']}): {g['final_exception']}  (line {g['line']})"
+            for g, fb in zip(findings, reports) if fb is not None]
+    thens = [then if f is shown else [] for f in findings]
     if rep.matched:
-        rep.action = action_of(next(h[0] for h in all_hits if h))
+        rep.action = action_of(next(h[0] for h in all_hits if h), facts=facts)
     elif findings or rep.ended:
         rep.category = categorize(findings, extra=[rep.ended["text"]] if rep.ended else [])
-        rep.action = action_of(None, rep.category.name)
+        rep.action = action_of(None, rep.category.name, facts) if rep.category.shown else None
     if as_json:
-        for f, hits, cat in zip(findings, all_hits, cats):
-            line = json_text(_redact_json(to_json(host, result, f, hits, cat), redact), sort_keys=True)
+        for f, hits, cat, t in zip(findings, all_hits, cats, thens):
+            line = json_text(_redact_json(to_json(host, result, f, hits, cat, facts, t), redact), sort_keys=True)
             if con is not None:
                 con.out(line, highlight=False)
             else:
@@ -652,8 +737,8 @@ def report(host: str, result: dict, issues: list[dict], *, explain: bool = False
         p.line(("only the last 16 MiB of the log was read", "dim"))
     if scan.get("newest_first"):
         p.line(("the log lists its newest line first: read oldest first, line numbers count from its last line", "dim"))
-    for n, (f, hits, reported, cat) in enumerate(zip(findings, all_hits, reports, cats), 1):
-        print_finding(p, host, n, len(findings), f, hits, explain, offline, reported, cat)
+    for n, (f, hits, reported, cat, t) in enumerate(zip(findings, all_hits, reports, cats, thens), 1):
+        print_finding(p, host, n, len(findings), f, hits, explain, offline, reported, cat, facts, t)
     if scan.get("more"):
         p.line(f"... and {scan['more']} more failure(s) not shown")
     if scan.get("ended") and not rep.matched:
@@ -673,8 +758,8 @@ def fleet_groups(reports: Iterable[HostReport]) -> list[dict]:
         if rep.matched:
             key, failure = ("known", rep.matched[0][0]), f"{rep.matched[0][0]} ({rep.matched[0][1]})"
         elif rep.findings or rep.ended:
-            name = rep.category.name if rep.category else "unknown"
-            key, failure = (name, _mask(rep.root)), f"no known issue; category {name}"
+            name = rep.category.name if rep.category and rep.category.shown else "uncategorised"
+            key, failure = (name, _mask(rep.root)), f"no known issue; {'category ' + name if name != 'uncategorised' else name}"
         else:
             key, failure = ("clean",), "no errors found"
         g = groups.setdefault(key, {"failure": failure, "root": rep.root, "action": rep.action or "", "hosts": []})
@@ -704,8 +789,8 @@ def print_verdicts(reports: Iterable[HostReport], as_json: bool = False, redact=
 
 def run(*, release: str = "", log: str = "", offline: bool = False, as_json: bool = False, explain: bool = False,
         context: int = 3, allow_outside: bool = False, hosts: str | None = None, inventory: str | None = None) -> int:
-    """The diagnose verb. Returns the exit code: 0 matched or clean, 1 errors but no known issue
-    (or a server that ended abnormally), 2 bad input or a host that could not be read."""
+    """The diagnose verb. Returns the exit code: 0 the log shows no failure, 1 a failure (a known
+    issue explains it or not: the verdict says which), 2 bad input or a host that could not be read."""
     from .cli import HOSTS_ENV, on_hosts, select
     from .output import OK
 

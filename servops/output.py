@@ -162,7 +162,8 @@ OK, CHANGED, FAILED, SKIPPED = "ok", "changed", "failed", "skipped"
 # The exit-code contract (README, `invoke --help`): what a script calling servops can rely on.
 EXIT_OK, EXIT_NOTHING, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_RESTORED, EXIT_ATTENTION, EXIT_INTERRUPTED = (
     0, 1, 2, 3, 4, 5, 130)
-EXIT_CONTRACT = ("exit status: 0 ok; 1 nothing matched (diagnose) or the command failed (run, status --check), "
+EXIT_CONTRACT = ("exit status: 0 ok; 1 the log shows a failure (diagnose: explained or not) or the command failed "
+                 "(run, status --check), "
                  "or a host command timed out or sent too much output; "
                  "2 bad input, nothing touched; 3 a host unreachable; 4 failed on a host and servops restored it "
                  "(rolled back, undone); 5 failed and the host is NOT as before (the line says what to run); "

@@ -192,12 +192,14 @@ def diagnose_release(hs: HostSession, release: str) -> list[dict]:
     issues = dg.known_issues()
     out = []
     found = res["scan"]["findings"]
+    facts = dg.HostFacts.of(res, [fr["path"] for f in found for fr in dg.finding_frames(f)])
     for f, hits in zip(found, dg.match_log(found, issues)[0]):
         top = hits[0] if hits else None
         frames = [f"{fr['func']} ({fr['path']}:{fr['line']})" for fr in dg.finding_frames(f)[-3:]]
         out.append({"entry": top and top["id"], "category": top and top["category"],
                     "title": top and top["title"], "suggest": (top or {}).get("suggest") or {},
-                    "action": dg.action_of(top) if top else dg.action_of(None, dg.categorize([f]).name),
+                    # (a category too weak to show names no step: the crash's line says what is known)
+                    "action": dg.finding_action(hits, None if top else dg.categorize([f]), facts),
                     "root_exception": hs.redactor(str(f.get("root_exception") or "")),
                     "final_exception": hs.redactor(str(f.get("final_exception") or "")),
                     "last_frames": [hs.redactor(x) for x in frames], "ranks": f.get("ranks") or []})

@@ -164,14 +164,19 @@ def test_the_shipped_model_is_what_its_logs_train():
     assert same >= 0.95 * len(model["counts"]), "run python tests/diagnose_score.py --write-model"
 
 
-def test_held_out_by_thread_the_evidence_names_most_categories():
-    # 243 labelled logs, 5 folds by thread, the model (and the lexicon's weight) learned on the
-    # other folds only: 205/243 held out (84%) against 229/243 on its own training logs, and
-    # 175/243 for the hand-written lexicon alone
+def test_held_out_by_thread_the_evidence_names_most_categories_and_sets_the_threshold():
+    # 253 labelled logs, 5 folds by thread, the model (and the lexicon's weight) learned on the
+    # other folds only: 204/253 held out (81%) against 238/253 on its own training logs, and
+    # 181/253 for the hand-written lexicon alone
     r = kfold(5)
-    assert r["logs"] >= 240 and r["threads"] >= 230
+    assert r["logs"] >= 250 and r["threads"] >= 245
     assert r["held_out_alone"] >= 200 and r["training_alone"] >= r["held_out_alone"]
     assert r["held_out"] >= r["known_named"]
+    # the categories it shows held out: at most 1 wrong in 20, at the threshold the shipped model carries
+    assert r["held_out_wrong_shown"] * 20 <= r["held_out_shown"] and r["held_out_shown"] >= 0.6 * r["logs"]
+    assert load_model()["threshold"] == r["threshold"]
+    shares = [wrong for _, _, wrong, _ in r["curve"]]
+    assert shares[0] > 0.15 and shares[-1] <= 0.05  # (without the threshold, 1 in 5 shown would be wrong)
 
 
 # -- the next action ---------------------------------------------------------------------------------
@@ -179,12 +184,58 @@ def test_held_out_by_thread_the_evidence_names_most_categories():
 def test_every_known_issue_and_every_category_has_an_action():
     for e in ISSUES:
         assert action_of(e), e["id"]
-        if (e.get("suggest") or {}).get("patch"):
-            assert action_of(e) == f"apply patch {e['suggest']['patch']}"
+        suggest = e.get("suggest") or {}
+        if suggest.get("patch") and not suggest.get("variant"):
+            assert action_of(e) == f"apply patch {suggest['patch']}"
+        elif suggest.get("patch"):  # offline, no release known: the patch, and where the release's whole set is
+            assert action_of(e) == (f"apply patch {suggest['patch']}; the whole fix set of the host's release: "
+                                    f"deploy --variant {suggest['variant']}")
     assert set(CATEGORY_ACTIONS) == set(CATEGORIES)
     # an entry without one (a new entry) takes its patch's, else its category's
     assert action_of({"id": "x", "category": "install"}) == "fix the install"
     assert action_of({"id": "x", "category": "nccl", "suggest": {"patch": "p1"}}) == "apply patch p1"
+
+
+# the flag each release's own parser takes to keep the prefill graph out of dynamo (never a
+# deprecated alias), from playbooks/piecewise.yml's rules
+PREFILL_FLAGS = {"0.5.9": "drop flag --enable-piecewise-cuda-graph", "0.5.10": "change flag --disable-piecewise-cuda-graph",
+                 "0.5.13": "change flag --disable-piecewise-cuda-graph",
+                 "0.5.14": "change flag --cuda-graph-backend-prefill breakable (or disabled)",
+                 "0.5.21": "change flag --cuda-graph-backend-prefill breakable (or disabled)",
+                 "0.5.22": "change flag --cuda-graph-backend-prefill disabled"}
+
+
+@pytest.mark.parametrize("version", sorted(PREFILL_FLAGS))
+def test_a_dynamo_break_no_known_issue_covers_names_the_audit_and_the_releases_own_flag(version):
+    from servops.nextstep import HostFacts
+
+    facts = HostFacts("sglang", version, "piecewise-fp8")
+    action = action_of(None, "dynamo-trace", facts)
+    assert action == f"run invoke audit --fix --variant piecewise-fp8; or {PREFILL_FLAGS[version]} (sglang {version})"
+    # the known issues that name no patch take the same step; a vLLM host turns compilation off its own way
+    assert action_of(next(e for e in ISSUES if e["id"] == "dynamo-unsupported"), facts=facts) == action
+    assert action_of(None, "dynamo-trace", HostFacts("vllm")) == "change flag --enforce-eager"
+
+
+def test_the_seeds_crash_names_the_whole_fix_set_of_the_hosts_release():
+    from servops.nextstep import HostFacts
+
+    seed = next(e for e in ISSUES if e["id"] == "dynamo-get-cuda-version-subprocess")
+    assert action_of(seed, facts=HostFacts("sglang", "0.5.17", "piecewise-fp8")) == (
+        "deploy --variant piecewise-fp8 (its fix set on sglang 0.5.17: cuda-version-no-subprocess + "
+        "flashinfer-fp8-blockscale-custom-op)")
+    # a failed release of another variant (no fix set for it): the variant the known issue suggests
+    assert action_of(seed, facts=HostFacts("sglang", "0.5.23", "baseline")) == (
+        "deploy --variant piecewise (its fix set on sglang 0.5.23: cuda-version-no-subprocess)")
+
+
+def test_a_capture_the_cuda_stream_refused_turns_graphs_off_the_engines_way():
+    from servops.nextstep import HostFacts
+
+    capture = next(e for e in ISSUES if e["id"] == "cuda-graph-capture-unsupported-op")
+    assert action_of(capture, facts=HostFacts("vllm")) == "change flag --enforce-eager"
+    assert action_of(capture, facts=HostFacts("sglang")) == "change flag --disable-cuda-graph"
+    assert action_of(capture) == "change flag --enforce-eager (vLLM) or --disable-cuda-graph (SGLang)"
 
 
 def test_an_action_outside_the_list_is_refused(tmp_path):
@@ -224,7 +275,7 @@ def test_the_same_failure_on_three_hosts_is_one_row(lab):
     inv = lab.inventory(n_hosts=3)
     log = Path(__file__).resolve().parent / "fixtures" / "real" / "sglang-4289-nccl-system-error.log"
     res = run_invoke("diagnose", "--log", str(log), "-H", "lab1,lab2,lab3", inventory=inv)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # a failure on every host, a known issue explains it
     out = res.stdout
     assert "the same failure on several hosts: 3 hosts" in out
     row = next(line for line in out.splitlines() if "nccl-communicator-error (nccl)" in line and "lab1,lab2,lab3" in line)

@@ -12,11 +12,14 @@ from servops.diagnose import CATEGORIES, evidence, known_issues, match, match_lo
 from servops.remote.logscan import normalise
 from servops.remote.tracebacks import all_frames, scan
 
-from diagnose_score import shown_finding
+from diagnose_score import HELD_OUT, shown_finding
 
 REAL = Path(__file__).resolve().parent / "fixtures" / "real"
 FIXTURES = REAL.parent
 MANIFEST = yaml.safe_load((REAL / "manifest.yml").read_text())
+# the logs diagnose is held to one by one: all but the held-out blind batches, which are only
+# scored (tests/test_diagnose_score.py), never fixed against
+FIXED = [e for e in MANIFEST if e.get("batch") not in HELD_OUT]
 HEALTHY = yaml.safe_load((REAL / "healthy" / "manifest.yml").read_text())
 ISSUES = known_issues()
 CATEGORY = {e["id"]: e["category"] for e in ISSUES}
@@ -69,7 +72,7 @@ def test_knowledge_base_covers_every_category_from_real_logs():
         assert entry.get("suggest") or entry.get("link"), f"{entry['id']} gives no next step"
 
 
-@pytest.mark.parametrize("case", MANIFEST, ids=[e["file"][:-4] for e in MANIFEST])
+@pytest.mark.parametrize("case", FIXED, ids=[e["file"][:-4] for e in FIXED])
 def test_each_entry_matches_its_own_logs_and_nothing_else(case):
     text = (REAL / case["file"]).read_text()
     found = findings(text)
@@ -86,8 +89,7 @@ def test_each_entry_matches_its_own_logs_and_nothing_else(case):
             assert h["category"] == want, f"{h['id']} ({h['category']}) hit a {want} log: {case['file']}"
 
 
-@pytest.mark.parametrize("case", [e for e in MANIFEST if e.get("root")],
-                         ids=[e["file"][:-4] for e in MANIFEST if e.get("root")])
+@pytest.mark.parametrize("case", [e for e in FIXED if e.get("root")], ids=[e["file"][:-4] for e in FIXED if e.get("root")])
 def test_the_root_exception_is_the_line_the_thread_shows_without_its_prefixes(case):
     # anchored: a prefix, a quote mark or a colour code left in front of it is wrong
     found = findings((REAL / case["file"]).read_text())

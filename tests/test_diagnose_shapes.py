@@ -190,7 +190,7 @@ def test_frame_lines_a_terminal_wrapped_stay_one_traceback():
 
 def test_a_death_nothing_explains_is_exit_1_with_the_line_that_shows_it():
     line, code, out = verdict("trtllm-1700-mpirun-rank-killed.log")
-    assert code == 1 and line.startswith("no known issue matched — category ") and "; action: " in line
+    assert code == 1 and line.startswith("no known issue matched — ")
     assert line.endswith(" — the server ended abnormally: mpirun noticed that process rank 6 with "
                          "PID 0 on node xxxxxxxx exited on signal 9 (Killed).")
     line, code, _ = verdict("sglang-10350-segfault-pd.log")
@@ -219,8 +219,9 @@ def test_healthy_logs_show_no_abnormal_end():
 def test_an_engine_wrapper_alone_names_the_dead_engine_core():
     [f] = findings(real("vllm-19415-engine-core-failed-proc-exit.log"))
     assert ids(f) == ["vllm-engine-core-died"]
+    # a failure a known issue explains still exits 1: `diagnose && deploy` stops after a crash
     assert verdict("vllm-19415-engine-core-failed-proc-exit.log")[:2] == (
-        "matched: vllm-engine-core-died (engine-death); action: restart", 0)
+        "matched: vllm-engine-core-died (engine-death); action: restart", 1)
 
 
 def test_the_engine_wrapper_after_the_engines_own_error_is_its_consequence():

@@ -8,12 +8,18 @@ MAX_CONTEXT_FINDINGS = 20   # findings whose frames get source context
 _RELEASE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
-def release_status(rel_dir, name):
+def release_meta(rel_dir, name):
+    """A release's release.json (its status, variant, engine), {} where unreadable."""
     try:
         with open(os.path.join(rel_dir, name, "release.json")) as fh:
-            return (json.load(fh) or {}).get("status")
+            meta = json.load(fh)
     except (OSError, ValueError):
-        return None
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def release_status(rel_dir, name):
+    return release_meta(rel_dir, name).get("status")
 
 
 def pick_release(root, name):
@@ -48,17 +54,11 @@ def pick_release(root, name):
 
 def read_log(path):
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as fh:
-            if size > MAX_LOG:
-                fh.seek(size - MAX_LOG)
-                data = fh.read()
-                data = data[data.find(b"\n") + 1:]
-            else:
-                data = fh.read()
+            data, cut = read_tail(fh, os.fstat(fh.fileno()).st_size, MAX_LOG)
     except OSError as exc:
         fail("cannot read %s: %s" % (path, exc.strerror or exc))
-    return data.decode("utf-8", "replace"), size > MAX_LOG
+    return data.decode("utf-8", "replace"), cut
 
 
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
@@ -194,12 +194,17 @@ def main():
     else:
         root = os.path.realpath(os.path.expanduser(ARGS["deploy_root"]))
         name, status, why = pick_release(root, ARGS.get("release"))
-        out.update(release=name, release_status=status, why=why)
+        meta = release_meta(os.path.join(root, "releases"), name)
+        # what the next step depends on: the failed release's variant and engine (sglang's releases
+        # record none), the host's installed engines
+        out.update(release=name, release_status=status, why=why, release_variant=meta.get("variant"),
+                   release_engine=meta.get("engine") or ("sglang" if meta.get("variant") else None))
         out["source"] = os.path.join(root, "releases", name, "server.log")
         if not os.path.isfile(out["source"]):
             fail("release %s has no server.log (%s)" % (name, out["source"]))
         text, truncated = read_log(out["source"])
     out["truncated"] = truncated
+    out["versions"] = {name: (find_dist(name) or {}).get("version") for name in ("sglang", "vllm")}
     result = scan(text)
     resolver = Resolver(bool(ARGS.get("allow_outside")))
     patched = patched_files()

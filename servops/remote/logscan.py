@@ -86,6 +86,19 @@ _ANCHOR_WORDS = ("Traceback", "terminate", "Fatal", "File \"", "Error", "Excepti
 _UNKNOWN_TAG = _re.compile(r"(?:\[[^\]\n]{1,40}\]|\([^)\n]{1,60}\)|<[^>\n]{1,40}>) ?")
 
 
+# A request the server logs (vLLM's "Received request ...: prompt: '...'", SGLang's "Receive:
+# obj=GenerateReqInput(text='...')" and "Finish: ... out={'text': '...'}") is data: a user's
+# prompt may quote a traceback, an error or a crash, in escaped newlines or over several lines,
+# and none of it is the server's failure. The quoted value is left out of the line, up to its
+# closing quote (a quote mark followed by a comma, a bracket or the line's end), on this line or
+# on the unprefixed lines after it.
+_REQUEST_LOG = _re.compile(r"Received request|Receive: obj=|Finish: obj=|Added request|[Ll]ogging request|"
+                           r"[Rr]equest (?:received|details)\b")
+_DATA_FIELD = _re.compile(r"\b(?:prompt|text|content|messages|input|inputs|output|outputs|response|completion|"
+                          r"generated_text)['\"]?\s*[:=]\s*\[?\{?(?P<q>['\"])")
+_DATA_CLOSE = _re.compile(r"\s*(?:[,)\]}]|$)")  # what follows the quote mark that closes a logged value
+
+
 class Line(object):
     """One log line without its prefixes. `stream`: the rank/process it came from ("" = main);
     `level`: the log level its header gave; `new_record`: the header that opened a new log record
@@ -240,6 +253,8 @@ def learn_prefixes(raw_lines, limit=2000):
             break
         if not any(w in raw for w in _ANCHOR_WORDS):
             continue
+        if ("equest" in raw or "obj=" in raw) and _REQUEST_LOG.search(raw):
+            continue  # a logged request: what it quotes is a user's text, never a prefix
         anchor = _LEARN_ANCHOR.search(raw)
         if not anchor:
             continue
@@ -404,6 +419,110 @@ def newest_first(raw_lines):
     return rises == 0 and falls >= 3
 
 
+# A line is read by its first 16 KiB: what a failure says leads its line, and every pattern run
+# over a line then costs at most as much as it does on 16 KiB (time linear in the log's size,
+# whatever one line holds: a 50 MB line is read, never skipped).
+MAX_LINE = 16384
+
+
+def read_tail(fh, size, limit):
+    """(bytes, cut): the last `limit` bytes of an open binary log of `size` bytes, from a line
+    start. The line the cut falls in is read by its head (its first MAX_LINE bytes), never dropped:
+    a log whose end is one huge line (`ERROR: RuntimeError: ...` over 50 MB) still shows its failure."""
+    if size <= limit:
+        return fh.read(), False
+    cut = size - limit
+    fh.seek(cut)
+    data = fh.read(limit)
+    first = data.find(b"\n")
+    start = cut
+    while start > 0:  # back to the start of the line the cut falls in, a block at a time
+        step = min(start, 1 << 20)
+        fh.seek(start - step)
+        block = fh.read(step)
+        at = block.rfind(b"\n")
+        if at >= 0:
+            start = start - step + at + 1
+            break
+        start -= step
+    fh.seek(start)
+    head = fh.read(min(MAX_LINE, size - start))
+    rest = data[first + 1:] if first >= 0 else b""
+    return (head if first < 0 or start + len(head) <= cut + first else head[:cut + first - start]) + b"\n" + rest, True
+
+
+def _bounded(raw_lines):
+    return [raw if len(raw) <= MAX_LINE else raw[:MAX_LINE] for raw in raw_lines]
+
+
+# A terminal (or a viewer) that wrapped the log at its width: every long line split into rows of
+# exactly that many characters, the rest on the next row with no prefix of its own. The width is
+# the longest row's when it is a terminal's width and rows of it are common; such a row and the
+# row after it are one line (unless that row opens a record of its own).
+_WRAP_WIDTHS = (80, 100, 120, 132, 160, 200)
+
+
+def _wrap_width(raw_lines):
+    lengths = {}
+    for raw in raw_lines[:20000]:
+        n = len(raw.rstrip("\r"))
+        lengths[n] = lengths.get(n, 0) + 1
+    width = max(lengths) if lengths else 0
+    rows = sum(lengths.values())
+    if width not in _WRAP_WIDTHS or lengths[width] < max(2, rows // 50):
+        return None
+    full = [raw for raw in raw_lines[:20000] if len(raw.rstrip("\r")) == width]
+    # (rows of one repeated character are a separator drawn at the terminal's width, not a wrap)
+    return width if any(len(set(raw.strip())) > 2 for raw in full) else None
+
+
+def _unwrap(raw_lines, numbers, width, learned):
+    out, renumbered = [], []
+    k = 0
+    while k < len(raw_lines):
+        raw, no = raw_lines[k], numbers[k] if numbers else k + 1
+        while (len(raw_lines[k].rstrip("\r")) == width and k + 1 < len(raw_lines) and raw_lines[k + 1].strip()
+               and not strip_prefixes(_clean(raw_lines[k + 1]), learned)[1] and len(raw) < MAX_LINE):
+            k += 1
+            raw = raw.rstrip("\r") + raw_lines[k]
+        out.append(raw)
+        renumbered.append(no)
+        k += 1
+    return out, renumbered
+
+
+_MAX_DATA_LINES = 5000
+
+
+def _data_close(text, quote, start):
+    """The index of the quote mark that closes a logged value in `text` from `start`, or -1."""
+    k = start
+    while True:
+        k = text.find(quote, k)
+        if k < 0:
+            return -1
+        if text[k - 1:k] != "\\" and _DATA_CLOSE.match(text, k + 1):
+            return k
+        k += 1
+
+
+def _without_request_data(body, pending):
+    """(the line without the request data in it, the quote a value still open at its end waits
+    for or None). `pending`: the quote of a value an earlier line opened."""
+    if pending:
+        close = _data_close(body, pending, 0)
+        return ("", pending) if close < 0 else (body[close:], None)
+    if ("equest" not in body and "obj=" not in body) or not _REQUEST_LOG.search(body):
+        return body, None
+    m = _DATA_FIELD.search(body)
+    if not m:
+        return body, None
+    close = _data_close(body, m.group("q"), m.end())
+    if close < 0:
+        return body[:m.end()], m.group("q")
+    return body[:m.end()] + body[close:], None
+
+
 def normalise(text):
     """Every line without its prefixes, with the rank/process (stream) that wrote it."""
     raw_lines = text.splitlines()
@@ -426,8 +545,13 @@ def normalise(text):
             unfolded.extend(parts)
             renumbered.extend([numbers[k] if numbers else k + 1] * len(parts))
         raw_lines, numbers = unfolded, renumbered
+    raw_lines = _bounded(raw_lines)
     learned = learn_prefixes(raw_lines)
+    width = _wrap_width(raw_lines)
+    if width:
+        raw_lines, numbers = _unwrap(raw_lines, numbers, width, learned)
     out = []
+    data, data_from = None, 0   # the quote a logged request's value still open waits for, from which line
     current = ""          # stream of the last record header: its continuation lines follow it
     follows = False       # whether untagged lines continue that record
     ranks = {"": ""}      # stream -> the rank its last record header named
@@ -437,6 +561,13 @@ def normalise(text):
         raw = raw_lines[k]
         no = numbers[k] if numbers else k + 1
         body, tags = strip_prefixes(_clean(raw), learned)
+        if data and (tags or k - data_from > _MAX_DATA_LINES):
+            data = None   # a new record: the value ended unseen
+        if data or "equest" in body or "obj=" in body:
+            opened = data
+            body, data = _without_request_data(body, data)
+            if data and not opened:
+                data_from = k
         if k + 1 < len(raw_lines) and (_FILE_IN_LINE in body or body.endswith((".", "at", "at "))):
             joined = _rewrap(body, raw_lines[k + 1], learned)
             if joined is not None:

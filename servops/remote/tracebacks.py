@@ -61,7 +61,7 @@ _QUIET_ENDED = ("INFO", "DEBUG", "TRACE", "NOTICE", "I", "D")  # a warning that 
 # Lines that are evidence on their own. "consequence" classes report that something already
 # failed (a child died, a worker did not start, an exit code): they join the failure they follow.
 _ERROR_CLASSES = [
-    ("cuda", _re.compile(r"CUDA (?:error|Error|ERROR)\b|\bcudaError[A-Z]\w+|CUDA out of memory|CUBLAS_STATUS_(?!SUCCESS)[A-Z_]+|"
+    ("cuda", _re.compile(r"(?:CUDA|HIP) (?:error|Error|ERROR)\b|\b(?:cuda|hip)Error[A-Z]\w+|CUDA out of memory|CUBLAS_STATUS_(?!SUCCESS)[A-Z_]+|"
                          r"CUDNN_STATUS_(?!SUCCESS)[A-Z_]+|an illegal memory access was encountered|device-side assert(?:ion)? triggered|"
                          r"no kernel image is available|misaligned address|unspecified launch failure|"
                          # a device-side assert as the kernel prints it, before the CUDA error
@@ -84,6 +84,17 @@ _ERROR_CLASSES = [
     ("hint", _re.compile(r"Piecewise CUDA Graph is enabled by default as an experimental|"
                          # the advice under SGLang's "Capture cuda graph failed" (an excerpt may hold only it)
                          r"disable (?:cuda|CUDA) graph by --disable-cuda-graph|set --cuda-graph-max-bs to a smaller value")),
+    # torch.compile's own footer (its hints), when the excerpt holds nothing more of the failure
+    ("dynamo-hint", _re.compile(r"Set TORCH_LOGS=\S*dynamo\S* and TORCHDYNAMO_VERBOSE=1 for more information|"
+                                r"Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace|"
+                                r"You can suppress this exception and fall back to eager by setting")),
+    # a serving controller's health check gave up on a replica or worker (Ray Serve, a router):
+    # no exception word, and the log may go on serving on the others
+    ("unhealthy", _re.compile(r"Didn't receive health check response for|marking it unhealthy|\bmarked (?:as )?unhealthy\b|"
+                              r"\b(?:replica|worker)\b[^.\n]{0,80}\bis unhealthy\b")),
+    # a router or gateway that cannot read the model's tokenizer config (TGI's router, SGLang's
+    # model gateway): it serves without the chat template, or not at all
+    ("tokenizer", _re.compile(r"(?i)unable to parse (?:the )?tokenizer(?:[_ ]config)?|failed to (?:load|parse) (?:the )?tokenizer\b")),
     ("sglang", _re.compile(r"Piecewise CUDA Graph failed|Capture (?:piecewise )?cuda graph failed|"
                            r"(?:TokenizerManager|DetokenizerManager|DataParallelController) hit an exception|Exception in run_tp_server|"
                            r"scheduler is dead|Child process unexpectedly failed", _re.I)),
@@ -137,7 +148,17 @@ _ERROR_CLASSES = [
     ("message", _re.compile(r"^(?:[\w.-]+: )?(?:Error|FATAL|Fatal error)(?: response from daemon)?: \S|^error: \S")),
 ]
 _CONSEQUENCE = ("exit",)
-_WEAK = ("hint",)  # a cause only when nothing stronger is there
+_WEAK = ("hint", "dynamo-hint")  # a cause only when nothing stronger is there
+# Classes that are evidence at any log level: a replica the health check gave up on and a tokenizer
+# config a router cannot read are logged as warnings (they do not heal); vLLM logs a KV cache left
+# less than nothing at INFO right before its engine fails.
+_LOUD = ("unhealthy", "tokenizer", "kv-cache")
+# A warning that carries an import failure or a missing library (`WARNING ... Failed to import from
+# vllm._C with ImportError('libcudart.so.12: cannot open shared object file ...')`) is no failure by
+# itself (many are optional parts), but a failure after it that shows no cause of its own (a
+# traceback cut before its exception line, an engine that only says it died) has it as its root.
+_LATENT = _re.compile(r"(?P<type>\b(?:ImportError|ModuleNotFoundError|OSError))\((?P<q>['\"])(?P<msg>.+?)(?P=q)\)")
+_LATENT_WORDS = ("ImportError(", "ModuleNotFoundError(", "OSError(")
 # Exceptions that only report that another process already failed (vLLM's front end when its
 # engine core died, a worker wrapper re-raising): after a real failure they are its consequence.
 _CONSEQUENCE_EXC = _re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue|"
@@ -160,6 +181,21 @@ _ENDED_WORDS = ("ault", "SIG", "core dumped", "Killed", "Bus error", "llegal", "
                 "xit", "died", "Out of memory", "OOMKilled", "Engine", "sigquit", "Shard")
 _GAP = 25          # lines between pieces of evidence that belong to one failure
 _MAX_DETAILS = 40
+# One failure holds at most this many error lines and chained exceptions: the first ones and the
+# latest (a log of a million error lines is read in time linear in its size, and what diagnose
+# matches against stays bounded).
+_MAX_ERRORS = 100
+_MAX_CHAIN = 40
+_MAX_ROOT = 2000
+
+
+def _keep(items, item, cap):
+    """Append `item`, or, once `items` holds `cap`, let it replace the latest (the first ones stay)."""
+    if len(items) < cap:
+        items.append(item)
+    else:
+        items[-1] = item
+    return len(items) - 1
 _MAX_FINDINGS = 60
 
 
@@ -167,13 +203,16 @@ _MAX_FINDINGS = 60
 # Words every line of a class contains (each alternative of its regex needs one of them): a
 # cheap test before that class's regex, which most lines of a long log never reach.
 _CLASS_WORDS = {
-    "cuda": ("CUDA", "cuda", "CUBLAS", "CUDNN", "illegal memory", "device-side assert", "kernel image", "misaligned",
-             "launch failure", "Assertion"),
+    "cuda": ("CUDA", "cuda", "HIP", "hipError", "CUBLAS", "CUDNN", "illegal memory", "device-side assert", "kernel image",
+             "misaligned", "launch failure", "Assertion"),
     "nccl": ("Watchdog", "NCCL", "nccl"),
     "signal": ("Segmentation", "SIG", "core dumped", "Killed", "Bus error", "ignal", "Illegal instruction", "Aborted",
                "Floating point", "Trace/", "illegal hardware"),
     "mpi": ("TE ERROR", "PMIX", "MPI"),
     "hint": ("Piecewise", "-cuda-graph"),
+    "dynamo-hint": ("TORCHDYNAMO_VERBOSE", "fall back to eager"),
+    "unhealthy": ("health check response", "unhealthy"),
+    "tokenizer": ("okenizer",),
     "sglang": ("raph failed", "RAPH FAILED", "hit an exception", "run_tp_server", "is dead", "unexpectedly"),
     "build": ("ninja", "Ninja", "FAILED", "fatal", "detected in the compilation", "ptxas", "error: command"),
     "bind": ("ddress already", "EADDRINUSE", "bind"),
@@ -267,6 +306,7 @@ class _Stream(object):
         self.items = []
         self.gapped = False
         self.stop_requested = None  # the line number of the last "SIGTERM received"
+        self.latent = []            # import failures logged as warnings (_LATENT), as exceptions
 
     def text(self, i):
         return self.lines[i].text
@@ -622,10 +662,15 @@ class _Stream(object):
                 if exc["type"] or not _WARNING_STACK.search(before):
                     self.items.append(("exc", exc))
                 continue
-            # (an extension that cannot load, logged only as a warning, never heals; a KV cache left less
-            # than nothing is logged at INFO before the engine fails: evidence both)
-            quiet = ln.level in _QUIET_LEVELS and not ((ln.level[:4] == "WARN" and "undefined symbol" in t)
-                                                       or "KV cache memory: -" in t)
+            # (an extension that cannot load, logged only as a warning, never heals: evidence)
+            quiet = ln.level in _QUIET_LEVELS and not (ln.level[:4] == "WARN" and "undefined symbol" in t)
+            if quiet and ln.level[:4] == "WARN" and any(w in t for w in _LATENT_WORDS):
+                lm = _LATENT.search(t)
+                if lm:
+                    self.latent.append({"type": lm.group("type"), "message": lm.group("msg").strip(), "details": [],
+                                        "frames": [], "user_frames": [], "skipped_call": None,
+                                        "context": t[:lm.start("type")].strip(), "has_traceback": False,
+                                        "line": ln.no, "rank": ln.rank, "last": ln.no})
             m = None
             if not quiet and ": " in t and any(w in t for w in _EXC_WORDS):
                 m = _EXC_EMBEDDED.search(t)
@@ -642,7 +687,9 @@ class _Stream(object):
                 i = self.details(i + 1, exc)
                 self.items.append(("exc", exc))
                 continue
-            cls = classify(t) if s and not quiet else None
+            cls = classify(t) if s else None
+            if quiet and cls not in _LOUD:
+                cls = None
             if "SIG" in t or "ignal" in t:
                 if _STOP_REQUESTED.search(t):
                     self.stop_requested = ln.no
@@ -689,10 +736,12 @@ def _chains(items):
                 group = next((k for k, e in enumerate(prev_chain["chain"]) if _GROUP.search(e.get("type") or "")), None)
                 if pending.get("sub") and group is not None:
                     # a sub-exception of an ExceptionGroup is what the group reports: its cause
-                    prev_chain["chain"].insert(group, item)
-                    prev_chain["links"].insert(group, "group")
+                    if len(prev_chain["chain"]) < _MAX_CHAIN:
+                        prev_chain["chain"].insert(group, item)
+                        prev_chain["links"].insert(group, "group")
                 else:
-                    prev_chain["chain"].append(item)
+                    at = _keep(prev_chain["chain"], item, _MAX_CHAIN)
+                    del prev_chain["links"][at - 1:]
                     prev_chain["links"].append("cause" if pending["cause"] else "context")
                 prev_chain["last"] = max(prev_chain["last"], item["last"])
             else:
@@ -700,6 +749,12 @@ def _chains(items):
                             "rank": item["rank"], "cut_above": pending is not None})
             prev_exc = item
             pending = None
+            continue
+        if kind == "line" and item["class"] in _WEAK and prev_exc is not None:
+            # advice printed between the exceptions of one chain (dynamo's hint after each): the
+            # chain goes on, the advice is among its lines
+            _keep(out[-1].setdefault("advice", []), {"class": item["class"], "text": item["text"], "line": item["line"]},
+                  _MAX_ERRORS)
             continue
         out.append(dict(item, chain=[]))
         pending = None
@@ -741,6 +796,8 @@ def _merge(f, p):
     k = p["kind"]
     if k == "python":
         f["chain"], f["links"], f["cut_above"] = p["chain"], p["links"], p["cut_above"]
+        for e in p.get("advice") or []:
+            _keep(f["errors"], e, _MAX_ERRORS)
         if f["kind"] in ("errors", "cxx"):
             f["kind"] = "python"
     elif k == "abort":
@@ -763,7 +820,7 @@ def _merge(f, p):
         elif f["cxx"] is None:
             f["cxx"] = p
     else:
-        f["errors"].append({"class": p["class"], "text": p["text"], "line": p["line"]})
+        _keep(f["errors"], {"class": p["class"], "text": p["text"], "line": p["line"]}, _MAX_ERRORS)
         if p.get("cxx_frames"):
             f["cxx"] = f["cxx"] or {"raised_from": p.get("raised_from"), "cxx_frames": p["cxx_frames"]}
     f["line"] = min(f["line"], p["line"])
@@ -790,6 +847,24 @@ def signature(f):
     if not f["chain"] and not f["abort"] and not f["fatal"]:
         parts.extend(_mask(e["text"]) for e in f["errors"][:1])
     return "|".join(parts)
+
+
+# The lines every CUDA/HIP error carries, whatever it was: they say nothing of which error it was
+# (evidence is what the specific error says: an illegal address, a capture, a missing kernel).
+BOILERPLATE = _re.compile(r"(?:CUDA|HIP) kernel errors might be asynchronously reported|"
+                          r"For debugging consider passing (?:CUDA_LAUNCH_BLOCKING|AMD_SERIALIZE_KERNEL)|"
+                          r"Compile with .?TORCH_USE_(?:CUDA|HIP)_DSA.? to enable device-side assertions")
+
+
+def epitaph(text):
+    """Whether a line only reports that a process died or failed to start (an engine core, a
+    worker, a scheduler, an actor): a consequence, never the cause."""
+    return bool(_CONSEQUENCE_EXC.search(text) or (classify(text) in _CONSEQUENCE) or _EPITAPH.search(text))
+
+
+_EPITAPH = _re.compile(r"(?:Scheduler|TpModelWorkerClient|DataParallelController|TokenizerManager|Detokenizer\w*) hit an "
+                       r"exception|\bactor died\b|The actor (?:died|is dead)|Worker failed with error|WorkerProc failed to start|"
+                       r"WorkerProc hit an exception|Engine core proc \S+ died|Worker proc \S+ died")
 
 
 NO_EXCEPTION_LINE = "(exception line not in the log)"
@@ -874,7 +949,8 @@ def summarise(f):
         trace = f["cxx"] or {}
         root = final = "C++ exception raised from " + trace["raised_from"] if trace.get("raised_from") else \
             "C++ stack, top: " + (trace.get("cxx_frames") or ["?"])[0]
-    return root, final
+    # (a message of a 16 KiB line is read, not printed whole: the root a user reads is its start)
+    return root[:_MAX_ROOT], final[:_MAX_ROOT]
 
 
 def all_frames(f):
@@ -889,6 +965,15 @@ def all_frames(f):
         for t in cur:
             frames.extend(t["frames"])
     return frames
+
+
+def _shows_no_cause(f):
+    """A failure that says what died but not why: no exception line of its own (a traceback cut
+    above it), only exceptions that report another process's death, or only exit lines."""
+    if f["abort"] or f["fatal"] or any(e["class"] not in _CONSEQUENCE for e in f["errors"]):
+        return False
+    typed = [e for e in f["chain"] if e.get("type")]
+    return not typed or _only_reports_a_death(f) or not f["chain"]
 
 
 def _only_reports_a_death(f):
@@ -961,6 +1046,12 @@ _SIGN_HANDLED = _re.compile(r"(?i)\b(?:ignor(?:e|ed|ing)|retry|retrying|will ret
                             # torch's c10d on a host without a resolvable name: harmless, said at every start
                             r"hostname of the client socket cannot be retrieved")
 _IGNORED = _re.compile(r"(?i)\bignor(?:e|ed|ing)\b")
+# Advice is no failure: vLLM's INFO at every CUDA graph capture ("If you are running out of memory,
+# consider decreasing `gpu_memory_utilization`"), a tokenizer's warning that a text is longer than
+# the model ("... will result in indexing errors": a server truncates or refuses such a prompt).
+_ADVICE = _re.compile(r"(?i)\bif (?:you(?:'re| are)?|the|an?|it|this)\b[^.]{0,80}?,? (?:please )?(?:consider|try|reduce|decrease|"
+                      r"lower|increase|set|use|enable|disable)\b|\bconsider (?:decreasing|reducing|increasing|lowering|"
+                      r"raising|using|setting|enabling|disabling)\b|will result in (?:indexing )?errors\b")
 _SERVED = _re.compile(r"Uvicorn running on|Application startup complete|The server is fired up|\b200 OK\b|HTTP/1\.1\\?\" 200|"
                       r"Avg (?:prompt|generation) throughput|Decode batch|Prefill batch|Started server process|"
                       r"Connected|[Rr]eady to (?:roll|serve)|[Ss]erver (?:is )?(?:started|ready|listening)|"
@@ -1007,7 +1098,8 @@ def failure_signs(lines):
                 m = rx.search(t)
                 if m and kind == "constructor" and m.start() > len(t) - len(t.lstrip()) and m.group("rest").strip() not in "\"'":
                     m = None  # a repr inside a message (`with ImportError('...')`): what the message says decides
-                if m and not (kind in ("assert", "cuda", "timeout") and (_CARRIES_ON.search(t) or _IGNORED.search(t))):
+                if m and not (kind in ("assert", "cuda", "timeout") and (_CARRIES_ON.search(t) or _IGNORED.search(t)
+                                                                          or _ADVICE.search(t))):
                     strong.append({"class": "sign-" + kind, "text": _sign_text(kind, m, lines, k)[:400], "line": ln.no})
                     break
             else:
@@ -1015,6 +1107,7 @@ def failure_signs(lines):
             if m:
                 continue
         if (ln.level in ("ERROR", "CRITICAL", "FATAL") or _SIGN_WEAK.search(t)) and not _SIGN_HANDLED.search(t) \
+                and not _ADVICE.search(t) \
                 and (served_after is None or served_after < ln.no):
             weak.append({"class": "sign-error", "text": s[:400], "line": ln.no})
     signs = strong + weak
@@ -1044,11 +1137,14 @@ def _sign_finding(signs):
 def scan(text):
     """Every failure in a log, the same failure on several ranks grouped into one finding."""
     lines = normalise(text)
-    failures = []
+    failures, latent = [], []
     for _name, stream_lines in streams(lines):
-        pieces = _chains(_Stream(stream_lines).scan())
+        stream = _Stream(stream_lines)
+        pieces = _chains(stream.scan())
         failures.extend(_attach(pieces))
+        latent.extend(stream.latent)
     failures.sort(key=lambda f: f["line"])
+    latent.sort(key=lambda e: e["line"])
     # Unprefixed lines next to a failure of a rank (a CUDA error a kernel printed to stderr,
     # just above the rank's traceback) and consequence-only failures join that failure.
     last_real = None
@@ -1061,7 +1157,7 @@ def scan(text):
                       and (g["kind"] != "errors" or any(e["class"] not in _WEAK for e in g["errors"]))), None)
             if g is not None or last_real is not None:
                 g = g if g is not None else last_real
-                g["errors"] = sorted(g["errors"] + f["errors"], key=lambda e: e["line"])
+                g["errors"] = sorted(g["errors"] + f["errors"], key=lambda e: e["line"])[:_MAX_ERRORS]
                 g["line"], g["last"] = min(g["line"], f["line"]), max(g["last"], f["last"])
                 f["absorbed"] = True
                 continue
@@ -1072,12 +1168,13 @@ def scan(text):
                     near = g
                     break
         if near is not None:
-            near["errors"] = sorted(near["errors"] + f["errors"], key=lambda e: e["line"])
+            near["errors"] = sorted(near["errors"] + f["errors"], key=lambda e: e["line"])[:_MAX_ERRORS]
             near["line"], near["last"] = min(near["line"], f["line"]), max(near["last"], f["last"])
             f["absorbed"] = True
         elif only_lines and all(e["class"] in _CONSEQUENCE for e in f["errors"]):
             if last_real is not None:
-                last_real["errors"].extend(f["errors"])
+                for e in f["errors"]:
+                    _keep(last_real["errors"], e, _MAX_ERRORS)
                 f["absorbed"] = True
         elif last_real is not None and _only_reports_a_death(f):
             # (kept apart from its evidence: what the front end says is no cause)
@@ -1088,6 +1185,13 @@ def scan(text):
         else:
             last_real = f
     kept = [f for f in failures if not f.get("absorbed")]
+    for f in kept:
+        before = [e for e in latent if e["line"] < f["line"]]
+        if before and _shows_no_cause(f):
+            # the import failure a warning carried earlier is the cause this failure does not show
+            f["chain"].insert(0, before[-1])
+            f["links"].insert(0, "earlier")
+            f["kind"] = "python" if f["kind"] == "errors" else f["kind"]
     findings = []
     by_sig = {}
     for f in kept:
