@@ -15,8 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
-
 AUDIT = "audit the compiled region"
 NO_CUDA_GRAPHS = "disable CUDA graphs"
 # What a known issue (or a category) may name as the operator's next step.
@@ -51,35 +49,16 @@ class HostFacts:
         return cls(engine, (result.get("versions") or {}).get("sglang"), result.get("release_variant"))
 
 
-def _release(version: str | None) -> tuple[int, ...] | None:
-    try:
-        return Version(version).release if version else None
-    except InvalidVersion:
-        return None
-
-
-def prefill_graph_workaround(sglang: str | None) -> str:
-    """The flag that keeps sglang's prefill graph out of dynamo, as the host's release spells it."""
-    r = _release(sglang)
-    if r is None:
-        return ("change flag --cuda-graph-backend-prefill breakable (on sglang 0.5.14-0.5.21; disabled on 0.5.22 and "
-                "later; --disable-piecewise-cuda-graph on 0.5.10-0.5.13; drop --enable-piecewise-cuda-graph on 0.5.9 "
-                "and older)")
-    if r < (0, 5, 10):
-        return "drop flag --enable-piecewise-cuda-graph"
-    if r < (0, 5, 14):
-        return "change flag --disable-piecewise-cuda-graph"
-    if r < (0, 5, 22):
-        return "change flag --cuda-graph-backend-prefill breakable (or disabled)"
-    return "change flag --cuda-graph-backend-prefill disabled"
-
-
 def _audit(facts: HostFacts) -> str:
+    """The audit with its fix loop; else the flag that keeps the graph out of dynamo, as the host's
+    release spells it (the engine's room knows it: servops/engines)."""
+    from . import engines
+
     if facts.engine == "vllm":
-        return "change flag --enforce-eager"
+        return engines.get("vllm").workaround(None)
     on = f" (sglang {facts.sglang})" if facts.sglang else ""
     return (f"run invoke audit --fix --variant {facts.variant or '<variant>'}; or "
-            f"{prefill_graph_workaround(facts.sglang)}{on}")
+            f"{engines.get('sglang').workaround(facts.sglang)}{on}")
 
 
 def _no_cuda_graphs(facts: HostFacts) -> str:

@@ -226,8 +226,9 @@ def test_which_sglang_launches_compile():
 
 def test_the_workaround_and_the_eager_reference_are_the_releases_own_flags():
     sg = engines.get("sglang")
-    assert sg.workaround("0.5.17").startswith("--cuda-graph-backend-prefill breakable")
-    assert sg.workaround("0.5.12").startswith("--disable-piecewise-cuda-graph")
+    assert sg.workaround("0.5.17") == "change flag --cuda-graph-backend-prefill breakable (or disabled)"
+    assert sg.workaround("0.5.12") == "change flag --disable-piecewise-cuda-graph"
+    assert "on sglang <0.5.10" in sg.workaround(None) and engines.get("vllm").workaround(None).endswith("--enforce-eager")
     assert sg.eager_prefill_args("0.5.17")["cuda-graph-backend-prefill"] == "disabled"
     assert sg.eager_prefill_args("0.5.9") == {"enable-piecewise-cuda-graph": None}
 

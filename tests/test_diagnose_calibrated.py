@@ -172,7 +172,7 @@ def test_the_issue_45_crash_is_a_dynamo_break_whose_step_is_the_audit():
     rep, _, _ = diagnosed(GCD_IMPORT.read_text())
     assert rep.matched[0] == ("dynamo-unsupported", "dynamo-trace")
     assert rep.action.startswith("run invoke audit --fix --variant <variant>; or change flag --cuda-graph-backend-prefill "
-                                 "breakable (on sglang 0.5.14-0.5.21;")
+                                 "breakable (or disabled) on sglang >=0.5.14,<0.5.22;")
 
 
 def test_on_a_host_with_sglang_the_step_names_its_release_and_the_failed_variant(lab, sglang_venvs):

@@ -68,8 +68,15 @@ class Engine:
         return dict(self._by_version(self.prefill_eager, version) or {})
 
     def workaround(self, version: str | None) -> str:
-        return self._by_version(self.workarounds, version) or (
-            f"no workaround flag known for {self.label(version)}: keep the variant's prefill graph off")
+        """The flag that keeps the compiled graph out of dynamo on this release; every release's
+        where the version is unknown."""
+        found = self._by_version(self.workarounds, version)
+        if found:
+            return found
+        if len(self.workarounds) == 1 or version is None and self.workarounds:
+            return "; ".join(text if len(self.workarounds) == 1 else f"{text} on {self.name} {spec}"
+                             for spec, text in self.workarounds)
+        return f"no workaround flag known for {self.label(version)}: keep the variant's prefill graph off"
 
     def server_module(self, host) -> str:
         """What the host's launch runs (`python -m` it): the host's own module (the lab's

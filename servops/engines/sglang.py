@@ -44,12 +44,11 @@ ENGINE = Engine(
                    (">=0.5.10,<0.5.14", {"enable-piecewise-cuda-graph": None, "enforce-piecewise-cuda-graph": None,
                                          "disable-piecewise-cuda-graph": True}),
                    ("<0.5.10", {"enable-piecewise-cuda-graph": None})),
-    workarounds=((">=0.5.22", "--cuda-graph-backend-prefill disabled (the breakable prefill graph has no dynamo; "
-                              "disabled drops the prefill graph)"),
-                 (">=0.5.14,<0.5.22", "--cuda-graph-backend-prefill breakable (or disabled): the prefill graph "
-                                      "without torch.compile"),
-                 (">=0.5.10,<0.5.14", "--disable-piecewise-cuda-graph (and no --enforce-piecewise-cuda-graph)"),
-                 ("<0.5.10", "drop --enable-piecewise-cuda-graph")),
+    # the action that keeps the prefill out of dynamo, as each release's own parser spells it
+    workarounds=((">=0.5.14,<0.5.22", "change flag --cuda-graph-backend-prefill breakable (or disabled)"),
+                 (">=0.5.22", "change flag --cuda-graph-backend-prefill disabled"),
+                 (">=0.5.10,<0.5.14", "change flag --disable-piecewise-cuda-graph"),
+                 ("<0.5.10", "drop flag --enable-piecewise-cuda-graph")),
     start_times=(("capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s"),
                  ("piecewise_capture_s", r"Capture piecewise CUDA graph end\. Time elapsed: ([0-9.]+) s")),
 )

@@ -54,7 +54,7 @@ ENGINE = Engine(
     # vLLM V1 compiles the whole forward (piecewise CUDA graphs over torch.compile); eager is its
     # one switch that keeps dynamo out
     prefill_eager=((">=0", {"enforce-eager": True}),),
-    workarounds=((">=0", "--enforce-eager (no torch.compile and no CUDA graphs)"),),
+    workarounds=((">=0", "change flag --enforce-eager"),),
     start_times=(("compile_s", r"torch\.compile takes ([0-9.]+) s in total"),
                  ("capture_s", r"Graph capturing finished in ([0-9.]+) secs?"),
                  ("init_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) seconds")),
