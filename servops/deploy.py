@@ -471,20 +471,20 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
 
 def start_record(outcome: dict, release: str, phases: Phases) -> dict:
     """A healthy start's phases (the gate read them from the log on the host): its phase line and
-    the phases that grew beyond their noise against the earlier starts (the release's own, else
-    the one it replaced), and what release.json ("starts", its last starts) and the journal keep."""
+    the phases that grew beyond their noise against the previous start (the release's own, else
+    the last of the release it replaced), and what release.json ("starts", its last starts) and
+    the journal keep."""
     start = startup.clean(outcome.get("start"))
     if not start:
         return {"fields": {}, "journal": {}, "grew": ""}
-    before, whose = startup.compared(outcome.get("before"), release)
+    previous, own, whose = startup.compared(outcome.get("before"), release)
     phases.step("start-up", startup.text(start))
-    grew = startup.grown(start, before)
+    grew = startup.grown(start, previous)
     if grew:
         phases.step("start-up", f"grew beyond its noise against {whose}: " + "; ".join(grew))
-    own = before if whose == "its earlier starts" else []
     if outcome.get("cache_problem"):
         phases.step("warning", outcome["cache_problem"])
-    return {"fields": {"starts": startup.kept(own or [], start)}, "journal": {"start": start},
+    return {"fields": {"starts": startup.kept(own, start)}, "journal": {"start": start},
             "grew": f"; start-up grew: {', '.join(g.split(' ', 1)[0] for g in grew)}" if grew else ""}
 
 

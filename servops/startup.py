@@ -1,16 +1,14 @@
 """A server's start-up as servops shows and keeps it: the phases the engine's log timed
 (servops/remote/startlog.py reads them on the host, in the health gate), one line of text, and
-which phase grew beyond its noise against the release's earlier starts. Pure."""
+which phase grew beyond its noise against the previous start. Pure."""
 
 from __future__ import annotations
-
-import statistics
 
 from .remote.startlog import START_PHASES
 
 NAMES = {"weights_s": "weights", "jit_s": "JIT", "compile_s": "compile", "capture_s": "capture", "other_s": "other"}
 KEEP = 10                # starts a release keeps in release.json (its own history of start-ups)
-FLOOR_S, FLOOR_REL = 1.0, 0.10  # noise at least 1 s (the logs' timestamps are whole seconds) and 10%
+FLOOR_S, FLOOR_REL = 1.0, 0.10  # a phase's noise: 1 s (whole-second log timestamps) or 10% of its last value
 
 
 def clean(start) -> dict:
@@ -32,30 +30,26 @@ def text(start: dict) -> str:
     return head + (f" ({inner})" if inner else "")
 
 
-def noise(values: list[float]) -> float:
-    """How far a phase may move between starts and still be noise: twice the spread of the
-    earlier starts, at least FLOOR_S and FLOOR_REL of their mean."""
-    mean = statistics.fmean(values)
-    spread = 2 * statistics.stdev(values) if len(values) > 1 else 0.0
-    return max(FLOOR_S, FLOOR_REL * mean, spread)
+def noise(previous: float) -> float:
+    """How far a phase may move from one start to the next and still be noise: 1 s (the logs'
+    timestamps are whole seconds) or 10% of what it took before, whichever is larger."""
+    return max(FLOOR_S, FLOOR_REL * previous)
 
 
-def grown(start: dict, before: list[dict]) -> list[str]:
-    """Each phase of `start` that grew beyond its noise against the earlier starts `before`
-    (oldest first): `JIT 0.0s -> 12.3s (+12.3s; noise 1.0s over 3 starts)`. A phase none of them
-    showed counts from 0 when they had a total (they spent nothing there that the log saw)."""
+def grown(start: dict, previous: dict | None) -> list[str]:
+    """Each phase of `start` that grew beyond its noise against the `previous` start:
+    `JIT 0.0s -> 12.3s (+12.3s; noise 1.0s)`. A phase the previous start's log did not show
+    counts from 0 where that start had a total (it spent nothing there that the log saw)."""
+    if not previous:
+        return []
     out = []
     for key in (*START_PHASES, "other_s"):
-        now = start.get(key)
-        if now is None:
+        now, was = start.get(key), previous.get(key)
+        if now is None or (was is None and "other_s" not in previous):
             continue
-        was = [b[key] if b.get(key) is not None else 0.0 for b in before if b.get(key) is not None or "other_s" in b]
-        if not was:
-            continue
-        mean, limit = statistics.fmean(was), noise(was)
-        if now - mean > limit:
-            out.append(f"{NAMES[key]} {mean:.1f}s -> {now:.1f}s (+{now - mean:.1f}s; noise {limit:.1f}s over "
-                       f"{len(was)} start{'s' if len(was) > 1 else ''})")
+        was = was or 0.0
+        if now - was > noise(was):
+            out.append(f"{NAMES[key]} {was:.1f}s -> {now:.1f}s (+{now - was:.1f}s; noise {noise(was):.1f}s)")
     return out
 
 
@@ -64,13 +58,14 @@ def kept(before: list[dict], start: dict) -> list[dict]:
     return ([clean(s) for s in before if isinstance(s, dict)] + [start])[-KEEP:]
 
 
-def compared(before: dict | None, release: str) -> tuple[list[dict], str]:
-    """The earlier starts a new one is judged against (the health gate's `before`: the release's
-    own, else the release it replaces) and how the line names them."""
+def compared(before: dict | None, release: str) -> tuple[dict | None, list[dict], str]:
+    """From the health gate's `before` (the earlier starts of the release itself, else of the
+    release it replaces): the previous start a new one is judged against, the release's own
+    starts to keep, and how the line names the previous one."""
     before = before if isinstance(before, dict) else {}
     starts = [clean(s) for s in before.get("starts") or [] if isinstance(s, dict)] \
         if isinstance(before.get("starts"), list) else []
+    own = before.get("release") == release
     if not starts:
-        return [], ""
-    whose = "its earlier starts" if before.get("release") == release else f"{before.get('release')}'s last start"
-    return (starts if before.get("release") == release else starts[-1:]), whose
+        return None, [], ""
+    return starts[-1], starts if own else [], "its previous start" if own else f"{before.get('release')}'s last start"
