@@ -685,7 +685,8 @@ def stop(hs: HostSession, grace: float | None, dry_run: bool, break_lock: bool =
 
 # ---- start / restart: the current release, no new one ----------------------------------------
 
-def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False) -> tuple[str, str]:
+def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False,
+                    record: dict | None = None) -> tuple[str, str]:
     """`start` brings the current release up when its server is down (after a reboot, a stop);
     `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
     made whole first, and a crash rolls back to the previous healthy release."""
@@ -723,4 +724,4 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
                                                                 "lock_id": lock["id"]})
         keeper = LeaseKeeper([node], every=max(1.0, guard["lease_timeout"] / 4)).start()
         return _bring_up_and_conclude([node], keeper, phases, target.get("variant") or "?",
-                                      {name: prev["name"] if prev else None}, changes, verb=verb)
+                                      {name: prev["name"] if prev else None}, changes, verb=verb, record=record)

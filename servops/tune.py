@@ -883,12 +883,16 @@ class Runner:
         if self.camp.repeat_by != "restart":
             return None
         t0 = time.monotonic()
+        record: dict = {}
         try:
-            code, text = restart_current(self.hs, "restart")
+            code, text = restart_current(self.hs, "restart", record=record)
         except ServopsError as exc:
             code, text = "failed", str(exc)
         if code != CHANGED:
             return f"the restart before the repeat failed: {text}"
+        # each fresh start's phases, beside the deploy's: the start-up's own interval (bench/piecewise_value.py)
+        self.journal.write({"trial": t.id, "label": t.label, "phase": "restarted", "release": record.get("release"),
+                            "start": self._start_times(record)})
         self.phase(t, k, "restart", f"a fresh start for the repeat: {text} ({time.monotonic() - t0:.1f}s)")
         return None
 
