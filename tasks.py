@@ -382,9 +382,10 @@ def check(c, variant, json=False, verbose=False, hosts=None, inventory=None):
     checks = [res for _h, res in run.each()]
     if json:
         for res in checks:
-            print(json_text({k: getattr(res, k) for k in (
+            print(json_text({**{k: getattr(res, k) for k in (
                 "host", "variant_name", "sglang_version", "parser", "static", "rules", "argv", "ok", "problems",
-                "warnings", "facts", "note", "elapsed_s", "host_timings")}, indent=1, default=str))
+                "warnings", "facts", "note", "elapsed_s", "host_timings")},
+                "caches": res.caches.lines() if res.caches else None}, indent=1, default=str))
     elif checks:
         lc.print_checks(checks, verbose)
     return run.recap

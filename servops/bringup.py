@@ -126,7 +126,8 @@ def health_gate(node: Node, phases: Phases, label: str) -> dict:
         outcome = releases.ctl(node.hs, "health", ssh_timeout=int(timeout) + 120,
                                on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
                                name=node.name, port=int(node.meta["port"]), health=health, timeout=timeout,
-                               signatures=signatures(node.meta))
+                               signatures=signatures(node.meta), caches=node.meta.get("caches"),
+                               compare=node.extra.get("compare") or [node.name])
     for pattern in outcome.get("slow_signatures") or []:
         phases.step("warning", f"crash signature {pattern!r} took over 2 s on the log and was dropped; simplify it")
     return outcome

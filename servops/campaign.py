@@ -230,7 +230,7 @@ def _objective(path: Path, spec: dict, levels: list[int]) -> Objective:
     return Objective(senses[0], metric, int(m[2]), f"{written} net of {starts:g} starts/day", float(starts))
 
 
-START_METRICS = ("start_s", "capture_s", "piecewise_capture_s", "compile_s", "init_s")
+START_METRICS = ("start_s", "weights_s", "jit_s", "compile_s", "capture_s", "other_s")
 _START = re.compile(r"\s*(%s)\s*(<=|<|>=|>)\s*(\d+(?:\.\d+)?)\s*(s|min)?\s*" % "|".join(START_METRICS))
 
 

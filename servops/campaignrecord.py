@@ -300,13 +300,6 @@ def objective_text(camp: Campaign, value: float | None, ci: list | None) -> str:
     return f"{camp.objective.written} = {num(value)}{spread}"
 
 
-def start_text(start: dict) -> str:
-    """`start to healthy 35.2s (capture 12.1s)`: the start-up, as the console and the report show it."""
-    phases = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f}s" for k, v in start.items() if k != "start_s")
-    head = f"start to healthy {start['start_s']:.1f}s" if "start_s" in start else "start-up"
-    return head + (f" ({phases})" if phases else "")
-
-
 def diagnosis_line(findings: list[dict], fallback: str) -> str:
     """A crash in one line: the known issue and the exception, or what is known of it."""
     f = next((f for f in findings if f.get("entry")), findings[0] if findings else None)

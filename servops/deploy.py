@@ -21,7 +21,7 @@ from contextlib import ExitStack
 import yaml
 
 from . import deploystages as stages
-from . import auditstage, engines, interrupt, patchplan, patchstore, releases
+from . import auditstage, engines, interrupt, jitcache, patchplan, patchstore, prebuild, releases, startup
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import DEFAULT_STALE_AFTER, check_mode_note, host_lock
 from .errors import ServopsError
@@ -79,7 +79,8 @@ def render_preview(hs: HostSession, variant: dict) -> str:
     return launch.script
 
 
-def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[str]) -> dict:
+def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[str],
+                  caches: jitcache.CachePlan | None = None) -> dict:
     health = dict(variant["health"], timeout=health_timeout(hs, variant["health"]))
     record = {
         "variant": variant["name"], "chain": variant["chain"], "created": _now(), "patches": patches,
@@ -87,6 +88,8 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
         "crash_signatures": variant["crash_signatures"], "stop_grace": variant.get("stop_grace", 30),
         "deployed_by": operator(),
     }
+    if caches is not None:  # every start of the release records what it built in the host's cache ledger
+        record["caches"] = caches.record_spec()
     engine = engines.of_variant(variant)
     if engine.name != engines.DEFAULT:  # recorded for bench and stop; an sglang release.json stays as it was
         record["engine"] = engine.name
@@ -198,8 +201,10 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         if unproven:
             raise DeployError(f"{hs.host.name}: {', '.join(unproven)}: synthesised but not proven; never deployed "
                               f"(invoke audit --fix proves it)")
-        plans.append((stages.plan(hs.host, facts, resolved, launch, wanted, store), facts))
+        plans.append((stages.plan(hs.host, facts, resolved, launch, wanted, store, nodes=len(nodes)), facts))
         prepared.append((hs, resolved, launch, plans[-1][0].actions))
+        for line in plans[-1][0].caches.lines() if plans[-1][0].caches else []:
+            phases.step("caches", f"{hs.host.name}: {line}")
     wanted = [] if skip_patches else list(prepared[0][1].get("patches") or [])  # the set rank 0 resolved
     same = [] if force or gate else [p.unchanged for p, _facts in plans]
     if same and all(same):
@@ -228,7 +233,7 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
                                   f"did not start; free it or change server_port")
         return _deploy_locked(prepared, locks, variant_name, phases, wanted, diff=diff, no_rollback=no_rollback,
                               keep=keep, gate=gate, bench_opts=bench_opts or {}, push_url=push_url,
-                              record=record if record is not None else {})
+                              record=record if record is not None else {}, plans=[p for p, _f in plans])
 
 
 def _print_plan_diff(hs: HostSession, facts: dict, plan: stages.Plan, launch: Launch) -> None:
@@ -259,7 +264,7 @@ def guard_spec(hs: HostSession, meta: dict, lock: dict, wanted: list[str], previ
 
 
 def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_rollback, keep, gate, bench_opts,
-                   push_url, record) -> tuple[str, str]:
+                   push_url, record, plans) -> tuple[str, str]:
     previous = {hs.host.name: lock["listing"]["current"] for (hs, *_), lock in zip(prepared, locks)}
     patch_done: dict[str, list] = {}
     nodes: list[Node] = []
@@ -269,8 +274,8 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
     # here on is covered too (the guard undoes the patches, or rolls back after the stop).
     try:
         phases.step("upload", f"new release for {variant_name}; guard armed")
-        for (hs, resolved, launch, actions), lock in zip(prepared, locks):
-            files = release_files(hs, resolved, launch, wanted)
+        for (hs, resolved, launch, actions), lock, plan in zip(prepared, locks, plans):
+            files = release_files(hs, resolved, launch, wanted, plan.caches)
             meta = json.loads(files["release.json"]["text"])
             guard = guard_spec(hs, meta, lock, wanted)
             res = releases.ctl(hs, "prepare", name=releases.release_name(resolved["name"]), files=files, guard=guard,
@@ -289,6 +294,10 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         if diff:
             for n in nodes:
                 print_script_diff(n.hs, n.root, previous[n.hs.host.name], n.name)
+        for n, (_hs, resolved, _launch, _actions), plan in zip(nodes, prepared, plans):
+            n.extra["compare"] = [n.name, previous[n.hs.host.name]]  # its start judged against the one it replaces
+            if plan.prebuild:  # the kernels built while the old server still serves
+                prebuild.run(n.hs, n.name, resolved, n.meta, plan.caches, plan.prebuild, phases)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()
@@ -349,7 +358,7 @@ def _bring_up_and_conclude(nodes: list[Node], keeper: LeaseKeeper, phases: Phase
                 return ATTENTION, str(took)
             during = f"the rollback of {n0.name}"
         record.update(release=n0.name, state=outcome["state"], reason=outcome["reason"],
-                      elapsed=outcome.get("elapsed"), log=outcome.get("log"))
+                      elapsed=outcome.get("elapsed"), log=outcome.get("log"), start=outcome.get("start"))
         with interrupt.handling():
             try:
                 return _conclude(nodes, outcome, phases, variant_name, previous, changes, no_rollback, keep, verb)
@@ -403,13 +412,16 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
     n0 = nodes[0]
     hs0 = n0.hs
     if outcome["state"] == "healthy":
+        started = start_record(outcome, n0.name, phases)
         for n in nodes:
             prev = previous[n.hs.host.name]
             results = releases.batch(
                 n.hs, {"op": "claim", "name": n.name, "id": n.extra["lock_id"], "action": "keep", "who": operator()},
-                {"op": "mark", "name": n.name, "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev},
+                {"op": "mark", "name": n.name, "fields": {"status": "healthy", "healthy_at": _now(), "previous": prev,
+                                                          **started["fields"]},
                  "journal": {"action": verb, "who": operator(), "release": n.name, "variant": variant_name,
-                             "outcome": "healthy", "detail": outcome["reason"], "previous": prev}},
+                             "outcome": "healthy", "detail": outcome["reason"], "previous": prev,
+                             **started["journal"]}},
                 {"op": "disarm", "name": n.name},
                 {"op": "prune", "keep": int(keep or n.hs.host.get("keep_releases", 5)), "protect": prev})
             if results[-1].get("skipped"):  # a damaged pins.json: nothing pruned
@@ -420,7 +432,7 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
         prev = previous[hs0.host.name]
         back = f"; invoke rollback goes back to {prev}" if prev and prev != n0.name and verb == "deploy" else ""
         done = {"deploy": "deployed", "restart": "restarted", "start": "started"}[verb]
-        return CHANGED, f"{done} {n0.name}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra}{back}"
+        return CHANGED, f"{done} {n0.name}{ranks} (healthy in {outcome['elapsed']:.1f}s){extra}{started['grew']}{back}"
     status = "interrupted" if outcome["state"] == "interrupted" else "failed"
     for n in nodes:
         # the guard stays armed through the rollback: a controller lost mid-way is finished for
@@ -453,6 +465,25 @@ def _conclude(nodes: list[Node], outcome: dict, phases: Phases, variant_name: st
                 pass
     code = ATTENTION if back.startswith(NO_EARLIER) else RESTORED
     return code, f"{n0.name} {outcome['state']}: {outcome['reason']}; {back}{hint}"
+
+
+def start_record(outcome: dict, release: str, phases: Phases) -> dict:
+    """A healthy start's phases (the gate read them from the log on the host): its phase line and
+    the phases that grew beyond their noise against the previous start (the release's own, else
+    the last of the release it replaced), and what release.json ("starts", its last starts) and
+    the journal keep."""
+    start = startup.clean(outcome.get("start"))
+    if not start:
+        return {"fields": {}, "journal": {}, "grew": ""}
+    previous, own, whose = startup.compared(outcome.get("before"), release)
+    phases.step("start-up", startup.text(start))
+    grew = startup.grown(start, previous)
+    if grew:
+        phases.step("start-up", f"grew beyond its noise against {whose}: " + "; ".join(grew))
+    if outcome.get("cache_problem"):
+        phases.step("warning", outcome["cache_problem"])
+    return {"fields": {"starts": startup.kept(own, start)}, "journal": {"start": start},
+            "grew": f"; start-up grew: {', '.join(g.split(' ', 1)[0] for g in grew)}" if grew else ""}
 
 
 def _metric_gate(hs: HostSession, gate: list, bench_opts: dict, outcome: dict) -> dict:
@@ -554,10 +585,13 @@ def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str]
             releases.ctl(hs, "journal", entry={"action": "rollback", "who": operator(), "release": t["name"],
                                                "outcome": "failed", "detail": outcome["reason"]})
         raise DeployError(f"{hs0.host.name}: rollback to {t0['name']} failed too: {outcome['reason']}")
+    started = start_record(outcome, t0["name"], phases)
     for hs, t, state, _store in targets:
-        releases.ctl(hs, "mark", name=t["name"], fields={"status": "healthy", "rolled_back_at": _now()},
+        releases.ctl(hs, "mark", name=t["name"], fields={"status": "healthy", "rolled_back_at": _now(),
+                                                         **started["fields"]},
                      journal={"action": "rollback", "who": operator(), "release": t["name"], "outcome": "healthy",
-                              "from": state["current"], "detail": "automatic" if failed else "requested"})
+                              "from": state["current"], "detail": "automatic" if failed else "requested",
+                              **started["journal"]})
     phases.step("done", f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)")
     return f"rolled back to {t0['name']} (healthy in {outcome['elapsed']:.1f}s)"
 
@@ -649,7 +683,8 @@ def stop(hs: HostSession, grace: float | None, dry_run: bool, break_lock: bool =
 
 # ---- start / restart: the current release, no new one ----------------------------------------
 
-def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False) -> tuple[str, str]:
+def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False,
+                    record: dict | None = None) -> tuple[str, str]:
     """`start` brings the current release up when its server is down (after a reboot, a stop);
     `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
     made whole first, and a crash rolls back to the previous healthy release."""
@@ -687,4 +722,4 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
                                                                 "lock_id": lock["id"]})
         keeper = LeaseKeeper([node], every=max(1.0, guard["lease_timeout"] / 4)).start()
         return _bring_up_and_conclude([node], keeper, phases, target.get("variant") or "?",
-                                      {name: prev["name"] if prev else None}, changes, verb=verb)
+                                      {name: prev["name"] if prev else None}, changes, verb=verb, record=record)

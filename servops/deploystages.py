@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import engines, patching, patchplan, patchstore
+from . import engines, jitcache, patching, patchplan, patchstore
 from .errors import ServopsError
 from .inventory import Host
 from .provenance import REPO
@@ -64,26 +64,41 @@ class Plan:
     current: str | None                 # the release `current` names now (None: no release yet)
     unchanged: str | None               # `current`, when deploying would change nothing
     actions: list = field(default_factory=list)   # (action, patch): the patch set made the release's
+    caches: jitcache.CachePlan | None = None      # the JIT/compile caches the launch finds (jit_cache_dir)
+    prebuild: str | None = None                   # why its kernels are built before the old server stops
 
     def text(self, variant_name: str) -> str:
         """Check mode's line."""
         summary = ", ".join(f"{a} {p.name}" for a, p in self.actions)
         return (f"would deploy {variant_name} (replacing {self.current or 'nothing'})"
-                + (f"; patches: {summary}" if summary else "") + " (check mode)")
+                + (f"; patches: {summary}" if summary else "") + self.caches_text() + " (check mode)")
+
+    def caches_text(self) -> str:
+        if self.caches is None:
+            return ""
+        told = "; ".join(f"{jitcache.KINDS[k.kind]} {'reuse' if k.reuse else 'rebuild'}" for k in self.caches.kinds)
+        expected = self.caches.expected_rebuild_s()
+        when = ("" if not self.caches.rebuild else
+                "; built before the old server stops" if self.prebuild else "; built during the restart")
+        return f"; caches: {told}" + (f" (~{expected:.0f}s)" if expected else "") + when
 
 
 def plan(host: Host, facts: dict, resolved: dict, launch: Launch, wanted: list[str],
-         store: list[patchstore.Patch]) -> Plan:
+         store: list[patchstore.Patch], nodes: int = 1) -> Plan:
     """From the facts (deploy_facts' part), the resolved variant and its launch: the patch
     actions that make the host's applied set `wanted` (refusing a required patch that conflicts,
     is not installed or does not match), and whether the deploy changes nothing: the current
     release has the same launch files, the same patch set (recorded, and on disk: no actions)
-    and its server is up and healthy."""
+    and its server is up and healthy; and the caches it finds (whether its kernels are built
+    before the old server stops: a single-node server, `nodes` 1)."""
     found = facts["deploy"]
     ours = digests(launch_files(host, resolved, launch))  # a server file missing here refuses now
     actions = patchplan.actions(host.name, store, patching.status_rows(store, found["patches"]), wanted)
     cur = found.get("current") or {}
-    result = Plan(current=cur.get("name"), unchanged=None, actions=actions)
+    caches = jitcache.plan(engines.of_variant(resolved), launch.argv, facts.get("caches"))
+    serving = bool(cur.get("name") and cur.get("healthy"))  # with nothing serving, a pre-build saves no downtime
+    result = Plan(current=cur.get("name"), unchanged=None, actions=actions, caches=caches,
+                  prebuild=jitcache.warmup_wanted(caches, host, nodes) if serving else None)
     if actions or not cur.get("name") or not cur.get("healthy") or cur.get("status") not in ("healthy", "unconfirmed"):
         return result
     if list(cur.get("patches") or []) != list(wanted):

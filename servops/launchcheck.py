@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import engines
+from . import engines, jitcache
 from .errors import ServopsError
 from .inventory import Host
 from .playbooks import apply_rules, matching_rules, when_branches
@@ -64,6 +64,7 @@ class LaunchCheck:
     server_module: str = "sglang.launch_server"
     flag_problems: list[str] = field(default_factory=list)  # the problems the host's parser found
     engine: str = "sglang"              # the variant's engine (sglang_version is then that engine's version)
+    caches: jitcache.CachePlan | None = None  # the host's JIT/compile caches for this launch (jit_cache_dir)
 
     @property
     def checked(self) -> bool:
@@ -118,9 +119,11 @@ def _branch_of(branches: list[dict], launch: Launch, add: bool = False) -> dict 
 
 
 def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict,
-         program: str = "launch_check", deploy: dict | None = None) -> tuple[dict, float]:
+         program: str = "launch_check", deploy: dict | None = None, caches: dict | None = None) -> tuple[dict, float]:
     port = hs.host.get("server_port")
     args = {"branches": branches, "deploy_root": deploy_root, "port": int(port) if port else None}
+    if caches:
+        args["caches"] = caches
     if deploy is not None:  # the check program with deploy_facts included: one round trip still
         args["deploy"] = deploy
         program += "+deploy_facts"
@@ -140,7 +143,8 @@ def read_facts(hs: HostSession, variant: dict, *, deploy_root: str, deploy: dict
     sent ("sent") and the measured round trip ("elapsed_s"): the data the pure stages read."""
     engine = engines.of_variant(variant)
     branches, env = launch_branches(hs.host, variant)
-    res, elapsed = _run(hs, branches, deploy_root, env, engine.check_program, deploy)
+    res, elapsed = _run(hs, branches, deploy_root, env, engine.check_program, deploy,
+                        jitcache.facts_request(engine, hs.host))
     if deploy is not None:
         _check_deploy_reply(hs.host.name, res.get("deploy"))
     res["sent"], res["elapsed_s"], res["deploy_root"] = branches, round(elapsed, 3), deploy_root
@@ -340,6 +344,7 @@ def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launc
     check.problems = [redact(p) for p in problems]
     check.warnings = [redact(w) for w in warnings]
     check.ok = not problems
+    check.caches = jitcache.plan(engine, check.argv, res.get("caches"))
     return check
 
 
@@ -424,6 +429,8 @@ def print_checks(checks: list[LaunchCheck], verbose: bool = False) -> None:
     for check in checks:
         for w in check.warnings:
             console.print(f"{check.host}: warning: {w}", markup=False, highlight=False)
+        for line in check.caches.lines() if check.caches else []:
+            console.print(f"{check.host}: {line}", markup=False, highlight=False)
     console.file.flush()
 
 
@@ -470,5 +477,7 @@ def print_check(check: LaunchCheck) -> None:
         t.add_row(Text("PROBLEM", style="bold red"), Text(p))
     for w in check.warnings:
         t.add_row(Text("warning", style="yellow"), Text(w))
+    for line in check.caches.lines() if check.caches else []:
+        t.add_row("caches", Text(line))
     print_table(t)
     console.file.flush()

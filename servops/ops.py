@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import releases
+from . import releases, startup
 from .output import CHANGED, EXIT_NOTHING, OK, Failed, console, err_console, print_table, table
 from .transport import HostSession
 
@@ -31,6 +31,7 @@ def status(hs: HostSession, check: bool = False) -> tuple[str, str, dict]:
         "sglang": ((res.get("server_info") or {}).get("version") or "-") if server else "-",
         "launch": hs.redactor((res.get("server_info") or {}).get("launch_command") or ""),
         "release_status": rel.get("status", "-"),
+        "start": _last_start(rel),
     }
     message = ""
     unfinished = res.get("unfinished") or []
@@ -49,6 +50,13 @@ def status(hs: HostSession, check: bool = False) -> tuple[str, str, dict]:
     return OK, message, row
 
 
+def _last_start(rel: dict) -> str:
+    """The current release's last start, as its health gate read it from the log ("" if none)."""
+    starts = rel.get("starts") if isinstance(rel.get("starts"), list) else []
+    last = startup.clean(starts[-1]) if starts else {}
+    return startup.text(last) + (f" (last of {len(starts)} starts recorded)" if len(starts) > 1 else "") if last else ""
+
+
 COLUMNS = ("host", "release", "variant", "patches", "pid", "health", "uptime", "sglang")
 
 
@@ -60,6 +68,8 @@ def print_status(rows: list[dict]) -> None:
     for r in rows:
         if r["launch"]:
             console.print(f"{r['host']}: launched as: {r['launch']}", markup=False, highlight=False)
+        if r.get("start"):
+            console.print(f"{r['host']}: last start: {r['start']}", markup=False, highlight=False)
 
 
 def logs(hs: HostSession, lines: int, release: str | None) -> tuple[str, str, dict]:
@@ -167,6 +177,8 @@ def print_history(host: str, entries: list[dict]) -> None:
         release = e.get("release") or e.get("patch") or "-"
         if e.get("to"):
             release += f" -> {e['to']}"
+        start = startup.clean(e.get("start"))
+        detail = str(e.get("detail") or e.get("why") or "") + (f"; {startup.text(start)}" if start else "")
         t.add_row(e.get("at", "-"), str(e.get("who") or "-"), e.get("action", "-"), release,
-                  str(e.get("outcome") or "-"), str(e.get("detail") or e.get("why") or ""))
+                  str(e.get("outcome") or "-"), detail)
     print_table(t)

@@ -23,7 +23,7 @@ import jinja2.nodes
 import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from . import engines
+from . import engines, jitcache
 from .errors import ServopsError
 from .inventory import Host
 from .redact import is_secret_name
@@ -245,9 +245,10 @@ def render_launch(host: Host, variant: Mapping[str, Any], extra: Mapping[str, An
     where = f"playbooks/{variant['name']}.yml"
     args = {k: _render_value(env, v, context, f"{where}: server_args.{k}") for k, v in variant["server_args"].items()}
     argv = server_argv(args)
-    # The engine's defaults, then the host's env (site facts such as CUDA_HOME), then the
-    # variant's own settings; a null drops what came before it.
-    launch_env: dict[str, str] = dict(engine.launch_env)
+    # The engine's defaults and its cache directories (the host's jit_cache_dir), then the host's
+    # env (site facts such as CUDA_HOME), then the variant's own settings; a null drops what came
+    # before it.
+    launch_env: dict[str, str] = dict(engine.launch_env, **jitcache.cache_env(engine, host))
     for source, items in ((f"{host.source}: host {host.name} env", host.get("env") or {}), (f"{where}: env", variant["env"])):
         for k, v in items.items():
             if v is None:

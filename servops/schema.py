@@ -229,6 +229,10 @@ INVENTORY_VARS = {
     "dist_init_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "dist_init_port": PORT,
     "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
+    "jit_cache_dir": Field("path"),
+    "jit_warmup": Field("bool"),
+    "jit_warmup_args": SERVER_ARGS,
+    "jit_warmup_port": PORT,
     # the audit of the compiled region (servops/audit.py): where its side server runs (cuda, or cpu for
     # an engine that needs no GPU: the lab's double), the static memory share and headroom it takes on
     # each GPU beside the serving server, and how long one audit server may take

@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, interrupt, localfiles, releases, threadout, verdict
+from . import bench, interrupt, localfiles, releases, startup, threadout, verdict
 from .campaign import Campaign, Trial, _layer
 from .campaignrecord import (DEFAULT_MIN_GAIN, TrialState, TuneError, diagnosis_line, fleet_repeat_decision,
                              fleet_winner, is_number, log_path, min_gain, objective_text, read_log, rebench_finalists,
-                             rebench_runs, repeat_decision, repeat_text, standings, start_text, trial_runs,
+                             rebench_runs, repeat_decision, repeat_text, standings, trial_runs,
                              trial_states)
 from .campaignrecord import done_entries as logged_done
 from .deploy import deploy_group, launch_identity, preflight, restart_current
@@ -810,22 +810,17 @@ class Runner:
                                 reason=record.get("reason"), deploy_s=round(deploy_s, 2), start=record.get("start")))
         # a crash's reason is its diagnosis, on the next line; other failures say theirs here
         self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s ({record.get('release') or 'no release'})"
-                   + (f"; {start_text(record['start'])}" if record.get("start") else "")
+                   + (f"; {startup.text(record['start'])}" if record.get("start") else "")
                    + ("" if record.get("state") in ("healthy",) + CRASHES else f": {record.get('reason')}"))
         return record, deploy_s
 
-    def _start_times(self, record: dict) -> dict:
+    @staticmethod
+    def _start_times(record: dict) -> dict:
         """The start-up as measured: start_s, the time the health gate waited for the server
-        (start to healthy), and the engine's own timed phases from its log (capture_s, compile_s:
-        servops.engines' start_times), where it says them."""
-        from . import engines
-
+        (start to healthy), and the phases the engine's log timed (weights_s, jit_s, compile_s,
+        capture_s, other_s: servops/remote/startlog.py, read by the gate on the host)."""
         times = {"start_s": round(float(record["elapsed"]), 2)} if is_number(record.get("elapsed")) else {}
-        try:
-            lines = releases.ctl(self.hs, "logs", name=record["release"], lines=2000)["lines"]
-        except (ServopsError, KeyError):
-            return times
-        return dict(times, **engines.get(record.get("engine")).start_phases(lines))
+        return dict(times, **{k: v for k, v in (record.get("start") or {}).items() if is_number(v)})
 
     def _bench(self, t: Trial, k: int, label: str | None = "bench") -> tuple[dict | None, str | None, float]:
         """(result, why it failed, seconds) of one bench of the current release; its phase line
@@ -890,12 +885,16 @@ class Runner:
         if self.camp.repeat_by != "restart":
             return None
         t0 = time.monotonic()
+        record: dict = {}
         try:
-            code, text = restart_current(self.hs, "restart")
+            code, text = restart_current(self.hs, "restart", record=record)
         except ServopsError as exc:
             code, text = "failed", str(exc)
         if code != CHANGED:
             return f"the restart before the repeat failed: {text}"
+        # each fresh start's phases, beside the deploy's: the start-up's own interval (bench/piecewise_value.py)
+        self.journal.write({"trial": t.id, "label": t.label, "phase": "restarted", "release": record.get("release"),
+                            "start": self._start_times(record)})
         self.phase(t, k, "restart", f"a fresh start for the repeat: {text} ({time.monotonic() - t0:.1f}s)")
         return None
 

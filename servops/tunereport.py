@@ -20,10 +20,10 @@ import json
 import re
 from pathlib import Path
 
-from . import verdict
+from . import startup, verdict
 from .campaign import Campaign
 from .campaignrecord import (diagnosis_line, fleet_dir, fleet_runs, fleet_winner, log_path, min_gain, read_log,
-                             rebench_runs, repeat_text, standings, start_text, trial_runs, trial_states)
+                             rebench_runs, repeat_text, standings, trial_runs, trial_states)
 from .localfiles import write_new  # a symlink planted at a report file is replaced, never followed
 from .redact import MASK, is_secret_name
 
@@ -431,7 +431,7 @@ def start_short(r: dict) -> str:
 
 def start_cell(r: dict) -> str:
     """The trial's start-up: time to healthy and the engine's own phases (`start to healthy 35.2s (capture 12.1s)`)."""
-    return start_text(r["start"]) if r.get("start") else "-"
+    return startup.text(r["start"]) if r.get("start") else "-"
 
 
 def crash_lines(f: dict) -> list[tuple[str, str]]:

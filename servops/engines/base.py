@@ -23,8 +23,9 @@ class Engine:
     model_flag: str = "model-path"                   # the server arg naming the model
     module_var: str = "server_module"                # the host var that replaces launch_module
     files_var: str | None = None                     # the host var listing local files a release ships
-    start_times: tuple[tuple[str, str], ...] = ()    # (key, regex with the seconds as group 1): its log's
-                                                     # own start-up phases (CUDA-graph capture, compile)
+    jit_caches: tuple[tuple[str, str, str], ...] = ()  # (name, env var, phase it saves: jit_s | compile_s):
+                                                     # the engine's own JIT/compile cache variables
+                                                     # (servops.jitcache points them at jit_cache_dir)
     # The audit of the compiled region (servops/audit.py):
     packages: tuple[str, ...] = ()                   # its code's top-level packages (a break's engine frames)
     audit_overrides: dict = field(default_factory=dict)   # server args of the audit's side server
@@ -36,17 +37,6 @@ class Engine:
     compile_flags: tuple[tuple[str, object], ...] = ()   # (server arg, value): a launch that compiles
     compiles_by_default: tuple[tuple[str, str], ...] = ()  # (version specifier, server arg that turns it off)
 
-    def start_phases(self, lines: list[str]) -> dict[str, float]:
-        """The start-up phases its log timed, in seconds (several ranks or captures: the longest)."""
-        import re
-
-        out: dict[str, float] = {}
-        for key, pattern in self.start_times:
-            for line in lines:
-                m = re.search(pattern, line)
-                if m:
-                    out[key] = max(out.get(key, 0.0), float(m[1]))
-        return out
 
     def audit_args(self, model: str, port: str, mem_fraction: float) -> dict:
         fill = {"{model}": model, "{port}": port, "{mem}": f"{mem_fraction:g}"}

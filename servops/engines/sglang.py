@@ -24,8 +24,6 @@ ENGINE = Engine(
              "server_info": "/server_info"},
     process_names=("sglang::scheduler", "sglang::detokenizer"),
     files_var="server_files",  # the lab's double ships its own server module with the release
-    # "Capture cuda graph end. Time elapsed: 69.83 s. mem usage=0.75 GB." (tests/fixtures/real/healthy:
-    # sglang-pr11830, sglang-19718); the piecewise capture logs its own line the same way
     packages=("sglang", "sgl_kernel"),
     # torch.compile at start: the piecewise prefill (tc_piecewise; before 0.5.14 its own flags) and
     # --enable-torch-compile; 0.5.10-0.5.13 run piecewise by default
@@ -49,6 +47,11 @@ ENGINE = Engine(
                  (">=0.5.22", "change flag --cuda-graph-backend-prefill disabled"),
                  (">=0.5.10,<0.5.14", "change flag --disable-piecewise-cuda-graph"),
                  ("<0.5.10", "drop flag --enable-piecewise-cuda-graph")),
-    start_times=(("capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s"),
-                 ("piecewise_capture_s", r"Capture piecewise CUDA graph end\. Time elapsed: ([0-9.]+) s")),
+    # where its JIT builds and compiled graphs go: FlashInfer's workspace (flashinfer/jit/env.py),
+    # DeepGEMM's (sglang's deep_gemm_wrapper/compile_utils.py sets DG_JIT_CACHE_DIR from it),
+    # triton's, inductor's, and sglang's own torch_compile_cache (compilation/backend.py, the
+    # piecewise graphs: it points inductor and triton there itself)
+    jit_caches=(("flashinfer", "FLASHINFER_WORKSPACE_BASE", "jit_s"), ("deep_gemm", "SGLANG_DG_CACHE_DIR", "jit_s"),
+                ("triton", "TRITON_CACHE_DIR", "jit_s"), ("torch_compile", "SGLANG_CACHE_DIR", "compile_s"),
+                ("inductor", "TORCHINDUCTOR_CACHE_DIR", "compile_s")),
 )

@@ -45,8 +45,6 @@ ENGINE = Engine(
     crash_signatures=(r"EngineDeadError", r"Unsupported CPU attention configuration"),
     model_flag="model",
     module_var="vllm_module",  # a host's server_module is sglang's (the lab's double)
-    # "torch.compile takes 7.14 s in total", "Graph capturing finished in 38 secs", "init engine (profile,
-    # create kv cache, warmup model) took 25.99 seconds" (tests/fixtures/real/healthy: glm-v-204, vllm-19794)
     packages=("vllm",),
     compiles_by_default=((">=0", "enforce-eager"),),  # V1 compiles the forward unless told not to
     audit_overrides={"model": "{model}", "port": "{port}", "host": "127.0.0.1", "load-format": "dummy",
@@ -55,7 +53,9 @@ ENGINE = Engine(
     # one switch that keeps dynamo out
     prefill_eager=((">=0", {"enforce-eager": True}),),
     workarounds=((">=0", "change flag --enforce-eager"),),
-    start_times=(("compile_s", r"torch\.compile takes ([0-9.]+) s in total"),
-                 ("capture_s", r"Graph capturing finished in ([0-9.]+) secs?"),
-                 ("init_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) seconds")),
+    # where its JIT builds and compiled graphs go: FlashInfer's workspace, DeepGEMM's
+    # (DG_JIT_CACHE_DIR), triton's, inductor's, and vLLM's cache root (its torch_compile_cache)
+    jit_caches=(("flashinfer", "FLASHINFER_WORKSPACE_BASE", "jit_s"), ("deep_gemm", "DG_JIT_CACHE_DIR", "jit_s"),
+                ("triton", "TRITON_CACHE_DIR", "jit_s"), ("torch_compile", "VLLM_CACHE_ROOT", "compile_s"),
+                ("inductor", "TORCHINDUCTOR_CACHE_DIR", "compile_s")),
 )

@@ -30,6 +30,16 @@ Start-up and crashes, as the server args make them:
                                    sizes 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs; none
                                    with --disable-cuda-graph), logged as sglang logs it: "Capture
                                    cuda graph end. Time elapsed: X s"; default 0
+  SGLANG_DOUBLE_JIT_TIME           seconds each JIT kernel module takes to build when its cache
+                                   does not hold it (FlashInfer's attention module under
+                                   FLASHINFER_WORKSPACE_BASE/.cache/flashinfer; with
+                                   --fp8-gemm-backend flashinfer_deepgemm DeepGEMM's GEMM under
+                                   SGLANG_DG_CACHE_DIR; defaults ~ as the real ones), logged as
+                                   FlashInfer and sglang log them, then written there; default 0
+  SGLANG_DOUBLE_COMPILE_TIME       seconds piecewise's torch.compile takes with an empty compile
+                                   cache (sglang's SGLANG_CACHE_DIR/torch_compile_cache), a tenth
+                                   of it once the cache holds the graph, logged as sglang 0.5.17's
+                                   prefill capture logs it; default 0
   SGLANG_DOUBLE_CRASH_IF           conditions on server args ("mem-fraction-static>0.88", several
                                    joined by ","; any one true): the capture runs out of GPU memory
                                    at start, with sglang's own traceback (sglang issue 5285)
@@ -678,6 +688,83 @@ def crash_region(args, conditions: str) -> str | None:
     return None
 
 
+def kernel_tag(args, *names: str) -> str:
+    """The digest of the server args that decide a kernel (a launch with other values builds
+    other kernels, as a real engine's cache keys do)."""
+    import hashlib
+
+    arg = _server_args(args)
+    values = [str(arg(n, str)) for n in ("model_path", "tp_size", *names)]
+    return hashlib.sha256("|".join(values).encode()).hexdigest()[:12]
+
+
+def jit_builds(args) -> None:
+    """The JIT kernel builds of a first start, skipped where the cache already holds the module:
+    FlashInfer's attention module (flashinfer/jit/core.py 0.7: "Building JIT module %s; this can
+    take several minutes on first use.", its own logger's format) and, for the FP8 GEMM backend
+    flashinfer_deepgemm, DeepGEMM's kernels (sglang's deep_gemm_wrapper/compile_utils.py: "Try
+    DeepGEMM JIT Compiling for <...> N=..., K=..., num_groups=... with all Ms."), each taking
+    SGLANG_DOUBLE_JIT_TIME and then written to its cache."""
+    per_module = float(os.environ.get("SGLANG_DOUBLE_JIT_TIME", "0") or 0)
+    if per_module <= 0:
+        return
+    home = os.path.expanduser("~")
+    try:
+        from importlib.metadata import version as dist_version
+        fi_version = dist_version("flashinfer-python")
+    except Exception:  # no FlashInfer on this python: its cache is still keyed by a version
+        fi_version = "0"
+    attention = f"batch_prefill_double_{kernel_tag(args, 'attention_backend', 'kv_cache_dtype', 'quantization')}"
+    fi_dir = os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE", home), ".cache", "flashinfer", fi_version,
+                          "double", "cached_ops", attention)
+    modules = [(fi_dir, attention, "flashinfer")]
+    if getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm":
+        tag = kernel_tag(args, "quantization", "fp8_gemm_backend")
+        dg_dir = os.path.join(os.environ.get("SGLANG_DG_CACHE_DIR", os.path.join(home, ".cache", "deep_gemm")),
+                              "cache", f"kernel.gemm_nt_f8f8bf16.{tag}")
+        modules.append((dg_dir, tag, "deep_gemm"))
+    for path, name, kind in modules:
+        so = os.path.join(path, f"{name}.so")
+        if os.path.isfile(so):
+            continue
+        if kind == "flashinfer":
+            now = time.time()
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now % 1 * 1000):03d} - INFO - "
+                  f"core.py:594 - flashinfer.jit: Building JIT module {name}; this can take several minutes on "
+                  f"first use.", flush=True)
+        else:
+            log(f"Try DeepGEMM JIT Compiling for <GEMM_NT_F8F8BF16> N=4096, K=4096, num_groups=1 with all Ms. It only "
+                f"takes a little time (typically 1 sec) if you have run `python3 -m sglang.compile_deep_gemm`. ")
+        time.sleep(per_module)
+        os.makedirs(path, exist_ok=True)
+        with open(so, "wb") as fh:
+            fh.write(b"double kernel " + name.encode())
+
+
+def compile_phase(args) -> None:
+    """Piecewise's torch.compile, as sglang 0.5.17 logs it inside its prefill capture: the
+    graph compiled in SGLANG_DOUBLE_COMPILE_TIME with an empty compile cache, a tenth of that
+    once sglang's torch_compile_cache (SGLANG_CACHE_DIR, compilation/backend.py) holds it."""
+    full = float(os.environ.get("SGLANG_DOUBLE_COMPILE_TIME", "0") or 0)
+    if full <= 0 or not args.enable_piecewise_cuda_graph:
+        return
+    base = os.environ.get("SGLANG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "sglang"))
+    graph = os.path.join(base, "torch_compile_cache", "rank_0_0", kernel_tag(args, "cuda_graph_max_bs",
+                                                                             "cuda_graph_bs_prefill"), "graph.py")
+    cached = os.path.isfile(graph)
+    log("Capture target prefill CUDA graph begin. backend=tc_piecewise, num_tokens=[4, 8, 16], avail mem=12.25 GB")
+    t0 = time.monotonic()
+    took = full / 10 if cached else full
+    time.sleep(took)
+    log(f"Compiling a graph for dynamic shape takes {took:.2f} s")
+    if not cached:
+        os.makedirs(os.path.dirname(graph), exist_ok=True)
+        with open(graph, "w") as fh:
+            fh.write("# double's compiled graph\n")
+    log(f"Capture target prefill CUDA graph end. elapsed={time.monotonic() - t0:.2f} s, mem usage=0.12 GB, "
+        f"avail mem=12.13 GB.")
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     """The batch sizes sglang captures CUDA graphs for: 1, 2, 4, 8, then every 8 up to max_bs."""
     return [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
@@ -958,6 +1045,14 @@ def main(argv=None):
     else:
         log(f"server_args (sglang {args.sglang_version}, {args.parser} parser): {args.launch_command}")
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
+    weights_t0 = time.monotonic()
+    load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
+    if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
+        time.sleep(load_time)
+    log(f"Load weight end. elapsed={time.monotonic() - weights_t0:.2f} s, type=double, avail mem=12.25 GB, mem usage=0.00 GB.")
+    jit_builds(args)
+    compile_phase(args)
+    # the piecewise capture, after the weights and the JIT builds as sglang's: the real dynamo trace
     model = None
     fp8 = getattr(args, "fp8_gemm_backend", "auto") == "flashinfer_deepgemm"
     config = _model_config(args.model_path)
@@ -965,8 +1060,7 @@ def main(argv=None):
     if args.enable_piecewise_cuda_graph and whole:
         # a block-FP8 model, and the venv holds the lab's FlashInfer- and sglang-shaped kernels: the
         # whole forward is compiled and captured at the release's prefill sizes (piecewise_model.py)
-        model = piecewise_model.PiecewiseModel(config,
-                                               opaque_gemm=fp8_call_is_opaque(args.sglang_package))
+        model = piecewise_model.PiecewiseModel(config, opaque_gemm=fp8_call_is_opaque(args.sglang_package))
         sizes = piecewise_model.prefill_sizes(getattr(args, "sglang_server_args", {}) or {})
         log("Capture piecewise cuda graph begin. This can take up to several minutes.")
         model.capture(sizes, log)  # raises as the real server does
@@ -977,10 +1071,6 @@ def main(argv=None):
         capture_piecewise_cuda_graph()  # raises, with the real traceback, on an unpatched flashinfer
     elif whole:
         model = piecewise_model.PiecewiseModel(config, opaque_gemm=False)  # eager
-    load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))
-    if load_time > 0:  # as sglang: no HTTP server until the weights are loaded
-        time.sleep(load_time)
-    log("Load weight end.")
     arg = _server_args(args)
     crash = crash_region(args, os.environ.get("SGLANG_DOUBLE_CRASH_IF", ""))
     per_bs = float(os.environ.get("SGLANG_DOUBLE_CAPTURE_PER_BS", "0") or 0)

@@ -17,14 +17,15 @@ from typing import Mapping
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
 _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
-             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts"],
+             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts", "cache_ledger"],
              "host_facts": ["procs", "launch_facts"],
-             "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts"],
-             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core"],
+             "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts",
+                                   "cache_ledger"],
+             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core", "startlog", "cache_ledger"],
              "end_command": ["procs"], "audit_compile": ["procs", "jsonl", "model_shrink"],
              # a launch check that also answers what a deploy needs to know (PROGRAM+deploy_facts):
              # the current release (deploy_ctl's readers, included as a library), the patch state
-             "deploy_facts": ["jsonl", "patch_core", "deploy_ctl"]}
+             "deploy_facts": ["jsonl", "patch_core", "startlog", "deploy_ctl"]}
 
 # Programs that only read the host and end within seconds: a warm connection agent may run them
 # in its host-side warm interpreter (warm_runner.py) rather than on a fresh `python -`. Anything

@@ -826,7 +826,10 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
                             first, what, (": " + mask(body.strip())[:200]) if status and body.strip() else ""),
                             log.excerpt(hit[1] if hit else None))
                     used = (used + ", " if used else "") + "a 1-token request to " + first
-                return result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
+                out = result("healthy", "%s answered 200%s" % (endpoint, (" and " + used) if used else ""))
+                log.poll()
+                out["start"] = start_phases(log.lines + [log.partial], out["elapsed"])  # its phases (startlog)
+                return out
         elapsed = time.monotonic() - started
         if elapsed > deadline_s:
             return result("timeout", "not healthy after %ds" % deadline_s, log.lines[-25:])
@@ -839,11 +842,135 @@ def gate(name, port, health, signatures, deadline_s, progress=None, stop_when=No
 
 
 def op_health():
+    """The gate; healthy, also the earlier starts this one is judged against (`compare`: the
+    release itself, then the one it replaces: the first with recorded starts) and, with
+    `caches`, the cache ledger updated with what this start built (cache_ledger)."""
     def progress(p):
         sys.stdout.write(json.dumps(p) + "\n")
         sys.stdout.flush()
-    return gate(ARGS["name"], int(ARGS["port"]), ARGS.get("health") or {}, ARGS.get("signatures", []),
-                float(ARGS["timeout"]), progress)
+    out = gate(ARGS["name"], int(ARGS["port"]), ARGS.get("health") or {}, ARGS.get("signatures", []),
+               float(ARGS["timeout"]), progress)
+    if out["state"] == "healthy":
+        for name in ARGS.get("compare") or []:
+            starts = release_info(name).get("starts") if NAME_RE.fullmatch(str(name or "")) else None
+            if isinstance(starts, list) and starts:
+                out["before"] = {"release": name, "starts": starts[-10:]}
+                break
+        if ARGS.get("caches"):
+            problem = record_built(ARGS["caches"], out.get("start") or {}, ARGS["name"])
+            if problem:
+                out["cache_problem"] = problem
+    return out
+
+
+WARMUP_ENV = "SERVOPS_WARMUP_DIR"  # marks every process of a release's warm-up (never its server's tree)
+
+
+def warmup_processes(d):
+    """pid -> facts of the warm-up processes of release directory `d` (its mark in their env)."""
+    return {pid: f for pid, f in process_table().items() if environ_value(pid, WARMUP_ENV) == d}
+
+
+def end_warmup(d, pgid, grace=10.0, poll=0.25):
+    """SIGTERM to the warm-up's group and every process carrying its mark, the grace, SIGKILL;
+    returns how many were ended and whether any survived."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    seen, deadline, sig = {}, time.monotonic() + grace, signal.SIGTERM
+    for _ in range(int((grace + 10) / poll)):
+        left = warmup_processes(d)
+        if not left:
+            break
+        if time.monotonic() >= deadline:
+            sig = signal.SIGKILL
+        for pid, facts in left.items():
+            seen[pid] = True
+            _signal(facts, sig)
+        time.sleep(poll)
+    return {"ended": len(seen), "survivors": sorted(warmup_processes(d))}
+
+
+def op_warmup():
+    """Before the old server stops: the new release's server started beside it (its own script,
+    warmup.sh: the launch on a spare port with the same cache directories) until it answers
+    healthy -- its JIT builds, compiles and its own warm-up request done -- then ended, so the
+    restart finds its kernels built. sglang's own compile_deep_gemm builds DeepGEMM's the same
+    way (a server launched with the serving args, one request, then killed). Never touches the
+    serving server, `current` or server.pid; its processes carry WARMUP_ENV, and every one is
+    ended before this returns. Its log: warmup.log in the release."""
+    name, port = ARGS["name"], int(ARGS["port"])
+    d = release_dir(name)
+    if not os.path.isdir(d):
+        fail("release %s does not exist" % name)
+    if port_in_use(port):
+        return {"state": "skipped", "reason": "warm-up port %d is in use" % port}
+    script = os.path.join(d, "warmup.sh")
+    if os.path.islink(script):
+        os.unlink(script)
+    replace_with(script, ARGS["script"], mode=0o700)
+    log_path = os.path.join(d, "warmup.log")
+    log_fd = own_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    env = dict(os.environ, **{WARMUP_ENV: d})
+    env.pop(RELEASE_ENV, None)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.chdir(d)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.closerange(3, 1 << 16)
+            os.execvpe("bash", ["bash", script], env)
+        finally:
+            os._exit(127)
+    os.close(log_fd)
+    health = ARGS.get("health") or {}
+    endpoint, timeout = health.get("endpoint", "/health"), float(ARGS.get("timeout") or 1200)
+    watch = LogWatch(log_path, ARGS.get("signatures") or [])
+    started, last = time.monotonic(), 0.0
+    state, reason = "timeout", "not healthy after %ds" % timeout
+    try:
+        while True:
+            hit = watch.poll()
+            elapsed = time.monotonic() - started
+            if hit:
+                state, reason = "crashed", "warmup.log: %s" % watch.lines[hit[1]].strip()[:200]
+                break
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                state, reason = "crashed", "the warm-up server exited (status %d) before it was healthy" % status
+                break
+            if http_ok(port, endpoint):
+                state, reason = "healthy", "%s answered 200 on port %d" % (endpoint, port)
+                break
+            if elapsed > timeout:
+                break
+            if time.monotonic() - last >= float(health.get("interval", 2)):
+                last = time.monotonic()
+                sys.stdout.write(json.dumps({"progress": round(elapsed, 1), "log": watch.last_line()[-400:]}) + "\n")
+                sys.stdout.flush()
+            time.sleep(0.25)
+    finally:
+        elapsed = round(time.monotonic() - started, 2)
+        ended = end_warmup(d, pid)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    watch.poll()
+    out = {"state": state, "reason": reason, "elapsed": elapsed, "log": log_path, "ended": ended,
+           "start": start_phases(watch.lines + [watch.partial], elapsed if state == "healthy" else None)}
+    if state != "healthy":
+        out["excerpt"] = watch.excerpt()[-25:]
+    elif ARGS.get("caches"):
+        problem = record_built(ARGS["caches"], out["start"], name)
+        if problem:
+            out["cache_problem"] = problem
+    return out
 
 
 def op_status():
@@ -1395,7 +1522,7 @@ OPS = {"lock": op_lock, "unlock": op_unlock, "releases": op_releases, "prepare":
        "health": op_health, "status": op_status, "logs": op_logs, "follow": op_follow, "prune": op_prune,
        "journal": op_journal, "disarm": op_disarm, "claim": op_claim, "owns": op_owns,
        "verify_patches": op_verify_patches, "pin": op_pin, "identity": op_identity, "rearm": op_rearm,
-       "facts": op_facts}
+       "facts": op_facts, "warmup": op_warmup}
 
 
 def run_op(op):

@@ -6,7 +6,8 @@
 # as launch_check does for sglang: a later check needs no import of vllm (parser "cached").
 #
 # ARGS: {"branches": [{"id", "argv", "env"}], "deploy_root", "port", "allow_real", "version_only", "cache",
-#        "deploy": a deploy's facts request (deploy_facts)}
+#        "deploy": a deploy's facts request (deploy_facts),
+#        "caches": the JIT/compile cache directories to report (cache_ledger.cache_facts)}
 import time
 
 _T0 = time.time()
@@ -106,6 +107,8 @@ def main():
     timings["validate_s"] = round(time.time() - t, 3)
     out["port"] = port_fact(ARGS.get("port"), root)
     out["gpus"] = gpu_fact(root)
+    if ARGS.get("caches"):  # the inventory's jit_cache_dir: what the new launch can reuse there
+        out["caches"] = cache_facts(ARGS["caches"])
     if ARGS.get("deploy"):  # run as PROGRAM+deploy_facts: the current release, patch state, lock
         t = time.time()
         out["deploy"] = deploy_facts(ARGS["deploy"])

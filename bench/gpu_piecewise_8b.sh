@@ -1,0 +1,52 @@
+#!/bin/bash
+# Issue #46 on the GPU kit's host (../shared/gpu-sglang: after device_setup.sh and `device_servops.sh sshd`),
+# from the project's checkout there (/tmp/src/servops). One call, steps in order (any subset):
+#   bash bench/gpu_piecewise_8b.sh model phases downtime short long table
+#   model     the Llama-3.1-8B-shaped block-FP8 checkpoint, made here (servops/lab/modelgen.py; <2 min)
+#   phases    deploy llama8b (its first start: cold JIT/compile caches), restart twice, status, history:
+#             the start-up split into weights / JIT / compile / capture / other (issue #46.3)
+#   downtime  bench/jit_downtime.py: a deploy of llama8b-pw (piecewise: new compile kernels, pre-built
+#             beside the serving server) against a plain restart of it (issue #46.4; goal <= 1.3)
+#   short     tune piecewise-8b-short (128-token prompts): llama8b / -cg / -pw / -breakable, repeated on
+#   long      fresh starts until the intervals are known; `long`: 2048-token prompts
+#   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
+# QUICK=1 runs the campaigns with 128 requests and at most 3 runs a trial (a shorter GPU call).
+# Output in $OUT (default /tmp/out): servops-8b.log (every command, rc, seconds), piecewise-8b.md, results-8b.tgz.
+set -uo pipefail
+export PATH=/tmp/sshroot/bin:/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+S=$(cd "$(dirname "$0")/.." && pwd); O=${OUT:-/tmp/out}; mkdir -p "$O"
+PY=${PY:-/tmp/sgvenv/bin/python}; MODEL=${MODEL:-/tmp/models/llama3-8b-fp8}; H=${HOST_NAME:-h200}
+KIT=${KIT:-/tmp/payload/kit}
+cd "$S"
+# the kit's inventory with the 8B model, the JIT/compile caches under /tmp/servops-jit and room for a
+# warm-up server beside the serving one (the serving launch holds 0.45 of the card)
+$PY - "$KIT/gpu-inventory.yml" "$MODEL" <<'PYEOF'
+import sys, yaml
+inv = yaml.safe_load(open(sys.argv[1]))
+gpu = inv["all"]["children"]["gpu"]["vars"]
+gpu.update(model_path=sys.argv[2], jit_cache_dir="/tmp/servops-jit", health_timeout=1800,
+           jit_warmup_args={"mem-fraction-static": 0.35})
+open("inventory/gpu-8b.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
+PYEOF
+export SERVOPS_INVENTORY=inventory/gpu-8b.yml
+run() { echo "### $*" | tee -a "$O/servops-8b.log"; local t0=$(date +%s.%N); timeout 3000 "$@" >>"$O/servops-8b.log" 2>&1; local rc=$?;
+        echo "### rc=$rc in $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee -a "$O/servops-8b.log"; tail -6 "$O/servops-8b.log"; }
+if [ "${QUICK:-0}" = 1 ]; then  # shorter copies of the two campaigns, under the same names
+  mkdir -p "$O/campaigns"
+  for c in piecewise-8b-short piecewise-8b-long; do
+    sed -e 's/requests: 256/requests: 128/' -e 's/max_repeats: 4/max_repeats: 3/' "campaigns/$c.yml" > "$O/campaigns/$c.yml"
+  done
+  export SERVOPS_CAMPAIGNS="$O/campaigns"
+fi
+for step in "$@"; do case $step in
+  model) run $PY -m servops.lab.modelgen "$MODEL" --shape llama3-8b --dtype fp8;;
+  phases) run $PY -m invoke deploy --variant llama8b -H $H; run $PY -m invoke restart -H $H; run $PY -m invoke restart -H $H
+          run $PY -m invoke status -H $H; run $PY -m invoke history -H $H; run $PY -m invoke check --variant llama8b-pw -H $H;;
+  downtime) run $PY bench/jit_downtime.py -I inventory/gpu-8b.yml -H $H --base llama8b --new llama8b-pw;;
+  short) run $PY -m invoke tune piecewise-8b-short -H $H;;
+  long) run $PY -m invoke tune piecewise-8b-long -H $H;;
+  table) run $PY bench/piecewise_value.py -H $H piecewise-8b-short piecewise-8b-long
+         sed -n '/^## What piecewise/,/^### rc=/p' "$O/servops-8b.log" | grep -v '^### rc=' > "$O/piecewise-8b.md";;
+esac; done
+$PY -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__, torch.cuda.get_device_name(0))" >>"$O/servops-8b.log" 2>&1
+tar -czf "$O/results-8b.tgz" results 2>/dev/null; true

@@ -1,0 +1,142 @@
+# A server's start-up split into its phases, read from the engine's own log lines (sglang's and
+# vLLM's, and FlashInfer's and DeepGEMM's JIT lines in either). Stdlib only: deploy_ctl includes
+# it on the host (the health gate reads the phases off the lines it already holds), and servops
+# imports it locally (tune, the tests, bench/).
+#
+# The phases, in seconds; a phase the log does not show is left out (never a guessed 0):
+#   weights_s   loading the weights     sglang "Load weight end. elapsed=X s" (0.5.1x; older: the
+#                                       begin/end lines' timestamps); vLLM "Loading weights took X
+#                                       seconds" / "Model loading took .. GiB and X seconds"
+#   jit_s       JIT kernel builds       FlashInfer "Loading JIT ops: M" .. "Finished loading JIT
+#                                       ops: M" (0.2.x) or "Building JIT module M" (0.6+), DeepGEMM
+#                                       "Entering DeepGEMM JIT Pre-Compile session" / "Try DeepGEMM JIT
+#                                       Compiling for ..." (sglang): each to the log's next record
+#   compile_s   torch.compile           sglang "Compiling a graph for (dynamic shape|shape N) takes X
+#                                       s" (piecewise; inside its prefill capture, so taken out of
+#                                       capture_s); vLLM "torch.compile takes X s in total"
+#   capture_s   CUDA-graph capture      sglang "Capture <role> <phase> CUDA graph end. elapsed=X s"
+#                                       (0.5.14+), "Capture (cuda|piecewise CUDA) graph end. Time
+#                                       elapsed: X s" (older); vLLM "Graph capturing finished in X secs"
+#   other_s     the rest of start to healthy (imports, process start, KV cache, the server's own
+#               warm-up request), when the total is known
+# Several ranks (sglang's "[... TP1]", vLLM's "(Worker_TP1 pid=..)"): each phase is summed per
+# rank and the slowest rank's sum is taken.
+import calendar as _calendar
+import re as _re
+import time as _time
+
+START_PHASES = ("weights_s", "jit_s", "compile_s", "capture_s")
+
+_SGLANG_TS = _re.compile(r"^(?:\([^)]*\) )?\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: ([^\]]*))?\]")
+_ASCTIME = _re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - [A-Z]+ - ")
+_VLLM_TS = _re.compile(r"^(?:\((\S+) pid=\d+\) )*(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ")
+_VLLM_RANK = _re.compile(r"\((?:Worker_)?(\S*TP\d+)\S* pid=\d+\)")
+
+# (phase, regex with the seconds as group 1): a phase the line states itself
+_VALUES = (
+    ("weights_s", _re.compile(r"Load weight end\. elapsed=([0-9.]+) s")),
+    ("weights_s", _re.compile(r"Loading weights took ([0-9.]+) seconds")),
+    ("weights_s", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and ([0-9.]+) seconds")),
+    ("capture_s", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=([0-9.]+) s")),
+    ("capture_s", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: ([0-9.]+) s")),
+    ("capture_s", _re.compile(r"Graph capturing finished in ([0-9.]+) secs?")),
+    ("compile_s", _re.compile(r"Compiling a graph for (?:dynamic shape|shape \S+) takes ([0-9.]+) s")),
+    ("compile_s", _re.compile(r"torch\.compile takes ([0-9.]+) s in total")),
+)
+# sglang's piecewise compile runs within its prefill capture: taken out of capture_s
+_COMPILE_IN_CAPTURE = "Compiling a graph for"
+_WEIGHTS_BEGIN = _re.compile(r"Load weight begin\b")
+_WEIGHTS_END = _re.compile(r"Load weight end\.")
+_JIT_PAIR = _re.compile(r"flashinfer\.jit: (Finished loading|Loading) JIT ops: (\S+)")
+_JIT_ONE = _re.compile(r"Building JIT module (\S+?);|Entering DeepGEMM JIT Pre-Compile session|"
+                       r"Try DeepGEMM JIT Compiling for")
+
+
+def log_stamp(line):
+    """(seconds, rank) of a log record's own timestamp, or None for a line that is not one (a
+    progress bar, a traceback line). The clock is the log's: only differences are meaningful."""
+    m = _SGLANG_TS.match(line)
+    if m:
+        return _calendar.timegm(_time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")), _log_rank(m.group(2) or "")
+    m = _VLLM_TS.match(line)
+    if m:
+        rank = _VLLM_RANK.search(line)
+        return (_calendar.timegm(_time.strptime("2000-" + m.group(2), "%Y-%m-%d %H:%M:%S")),
+                rank.group(1) if rank else "")
+    m = _ASCTIME.search(line)
+    if m:
+        rank = _VLLM_RANK.search(line[:m.start()])
+        return (_calendar.timegm(_time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000.0,
+                rank.group(1) if rank else "")
+    return None
+
+
+def _log_rank(tag):
+    """sglang's "DP0 TP1" -> "TP1" (the ranks of one node: TP, with DP/PP/EP before it)."""
+    words = tag.split()
+    return " ".join(w for w in words if w[:2] in ("TP", "DP", "PP", "EP"))
+
+
+def start_phases(lines, total=None):
+    """{weights_s, jit_s, compile_s, capture_s, other_s, start_s} from a start's log lines (only
+    this start's), `total` the start to healthy as the gate measured it. A phase the log does
+    not show is not in the result; other_s is the total less the phases shown (with a total)."""
+    per_rank = {}   # rank -> phase -> seconds
+    inside = {}     # rank -> seconds of compile inside capture
+    jit_open = {}   # (rank, module) -> its "Loading JIT ops" time
+    jit_pending = None  # (rank, time) of a one-line JIT record, ended by the next record
+    weights_begin = {}
+    last_time = None
+    for raw in lines:
+        line = raw.rstrip("\n")
+        # a progress bar rewrites one line with CRs, and a record may follow on it
+        for part in line.split("\r") if "\r" in line else (line,):
+            st = log_stamp(part)
+            if st is None:
+                continue
+            t, rank = st
+            last_time = t
+            got = per_rank.setdefault(rank, {})
+            if jit_pending is not None:
+                _phase_add(per_rank.setdefault(jit_pending[0], {}), "jit_s", max(0.0, t - jit_pending[1]))
+                jit_pending = None
+            for key, rx in _VALUES:
+                m = rx.search(part)
+                if m:
+                    _phase_add(got, key, float(m.group(1)))
+                    if _COMPILE_IN_CAPTURE in part:
+                        inside[rank] = inside.get(rank, 0.0) + float(m.group(1))
+            if _WEIGHTS_BEGIN.search(part):
+                weights_begin[rank] = t
+            elif _WEIGHTS_END.search(part) and "elapsed=" not in part and rank in weights_begin:
+                _phase_add(got, "weights_s", t - weights_begin.pop(rank))
+            m = _JIT_PAIR.search(part)
+            if m:
+                if m.group(1) == "Loading":
+                    jit_open.setdefault((rank, m.group(2)), t)
+                elif (rank, m.group(2)) in jit_open:
+                    _phase_add(got, "jit_s", t - jit_open.pop((rank, m.group(2))))
+            elif _JIT_ONE.search(part):
+                jit_pending = (rank, t)
+    if jit_pending is not None and last_time is not None:  # a build still running at the log's end
+        _phase_add(per_rank.setdefault(jit_pending[0], {}), "jit_s", max(0.0, last_time - jit_pending[1]))
+    for (rank, _m), t in jit_open.items():
+        _phase_add(per_rank.setdefault(rank, {}), "jit_s", max(0.0, (last_time or t) - t))
+    for rank, secs in inside.items():
+        got = per_rank[rank]
+        if "capture_s" in got:
+            got["capture_s"] = max(0.0, got["capture_s"] - secs)
+    out = {}
+    for key in START_PHASES:
+        seen = [r[key] for r in per_rank.values() if key in r]
+        if seen:
+            out[key] = round(max(seen), 2)
+    if total is not None:
+        shown = sum(out.values())
+        out["start_s"] = round(float(total), 2)
+        out["other_s"] = round(max(0.0, float(total) - shown), 2)
+    return out
+
+
+def _phase_add(got, key, seconds):
+    got[key] = got.get(key, 0.0) + seconds
