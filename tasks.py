@@ -163,14 +163,14 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
         for line in preflight.describe(patch, res):
             console.print(f"{hs.host.name}: preflight {res['result']}: {hs.redactor(line)}", markup=False)
         if res["result"] == "unproven":  # never a green that proved nothing
-            return FAILED, "preflight unproven (no GPU able to run the call site)"
+            return FAILED, "preflight unproven (see above: nothing was shown either way)"
         if patch.preflight["check"] == "dynamo_call_site":
             # --expect-fail: the pristine call site crashes; else the crash AND the fix must be shown
             passed = (res["pristine"]["result"] == "unsupported") if expect_fail else res["result"] == "pass"
             return (OK if passed else FAILED), f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
         passed = res["result"] == "pass"
         if passed != (not expect_fail):
-            return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res['error_type']}")
+            return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res.get('error_type') or res.get('message')}")
         return OK, f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
 
     return on_hosts(inventory, hosts, op).recap

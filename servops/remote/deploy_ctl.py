@@ -458,11 +458,12 @@ def proc_state(pid):
 def gpu_report(ours):
     """On a GPU host: compute apps still holding GPU memory after the stop (a leftover of ours
     would starve the next server; another's is named so the operator knows)."""
-    apps = gpu_apps()
-    if apps is None:
-        return None
+    found = gpu_apps()
+    if found is None or "error" in found:
+        return found
+    apps = [dict(a, name=a["name"][:80]) for a in found["apps"][:64]]
     return {"ours": [a for a in apps if a["pid"] in ours and proc_starttime(a["pid"])],
-            "others": [a for a in apps if a["pid"] not in ours]}
+            "others": [a for a in apps if a["pid"] not in ours], "skipped": len(found["skipped"])}
 
 
 def op_stop():
