@@ -430,11 +430,13 @@ def stop(c, grace=0.0, dry_run=False, break_lock=False, hosts=None, inventory=No
     return on_hosts(inventory, hosts, lambda hs: dep.stop(hs, grace or None, dry_run, break_lock)).recap
 
 
-_RESTART_HELP = {"break_lock": "Take the deploy lock even if another operator holds it."}
+_RESTART_HELP = {"break_lock": "Take the deploy lock even if another operator holds it.",
+                 "allow_drift": "Run the release even where its launch files were edited on the host since servops "
+                                "wrote them (refused by default, naming each file)."}
 
 
 @servops_task(help=_RESTART_HELP, changes="start")
-def start(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+def start(c, dry_run=False, break_lock=False, allow_drift=False, hosts=None, inventory=None):
     """Bring the current release's server up where it is down (after a reboot or a stop), health-gated.
 
     No new release: its launch script and patch set as deployed (patches re-applied if they went).
@@ -442,15 +444,17 @@ def start(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
     healthy release, as a deploy does."""
     from servops import deploy as dep
 
-    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "start", dry_run, break_lock)).recap
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "start", dry_run, break_lock,
+                                                                     allow_drift)).recap
 
 
 @servops_task(help=_RESTART_HELP, changes="restart")
-def restart(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+def restart(c, dry_run=False, break_lock=False, allow_drift=False, hosts=None, inventory=None):
     """Stop and start the current release, health-gated; a crash rolls back to the previous healthy release."""
     from servops import deploy as dep
 
-    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "restart", dry_run, break_lock)).recap
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "restart", dry_run, break_lock,
+                                                                     allow_drift)).recap
 
 
 @servops_task(name="run", positional=["command"], changes="run", help={

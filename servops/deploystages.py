@@ -81,7 +81,7 @@ def plan(host: Host, facts: dict, resolved: dict, launch: Launch, wanted: list[s
     and its server is up and healthy."""
     found = facts["deploy"]
     ours = digests(launch_files(host, resolved, launch))  # a server file missing here refuses now
-    actions = patchplan.actions(host.name, store, patching.status_rows(store, found["patches"]), wanted)
+    actions = patchplan.actions(host.name, store, patching.status_rows(host.name, store, found["patches"]), wanted)
     cur = found.get("current") or {}
     result = Plan(current=cur.get("name"), unchanged=None, actions=actions)
     if actions or not cur.get("name") or not cur.get("healthy") or cur.get("status") not in ("healthy", "unconfirmed"):
