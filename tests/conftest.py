@@ -41,9 +41,11 @@ os.environ["SERVOPS_HOSTS"] = "all"
 # server ports 30000+10N.., its own slice of free_port's range, its own agent directory and
 # results directory (below) and its own copies of the venvs the tests patch (remote_env).
 # Two suites at once on one machine (two checkouts' runs) each take a slot, SERVOPS_TEST_SLOT=0..3:
-# slot S's worker N is index N + 8*S, with addresses, server ports and free ports of its own.
+# slot S's worker N is index N + 8*S, with addresses, server ports, free ports and venv copies of
+# its own (two slots' gw0 patching one copy refused each other's patches, or undid them).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER") or "main"
 SLOT = int(os.environ.get("SERVOPS_TEST_SLOT") or 0)
+VENV_COPY = WORKER if not SLOT else f"{WORKER}-slot{SLOT}"  # the name of this worker's venv copies
 WORKER_INDEX = (int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit() else 0) + 8 * SLOT
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 if WORKERS > 1 or SLOT:  # 20000-29999 in slices of 312 (8 workers x 4 slots); 30000+ stays the lab's server ports
@@ -241,7 +243,7 @@ def ssh_client_key(tmp_path_factory) -> Path:
 def remote_env() -> dict:
     """This worker's copy of the cached real venv; its watched files are checked against RECORD
     before use."""
-    venv = remote_venv.worker_copy(remote_venv.build_venv(), WORKER)
+    venv = remote_venv.worker_copy(remote_venv.build_venv(), VENV_COPY)
     site = remote_venv.site_packages(venv)
     record = record_of(site)
     if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
@@ -415,7 +417,7 @@ def sglang_venvs():
 
     def get(version: str) -> dict:
         if version not in built:
-            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), WORKER)
+            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), VENV_COPY)
             site = remote_venv.site_packages(venv)
             record = record_of(site)
             if any(record_hash(site / rel) != record[rel] for rel in WATCHED):

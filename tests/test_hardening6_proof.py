@@ -166,13 +166,15 @@ def all_gone(pids: list[int], within: float = 30.0) -> bool:
 
 def test_4_a_hanging_import_is_ended_at_its_deadline_with_its_process_group(proof_lab):
     lab, inventory, env, pids, _model = proof_lab
-    res = run_invoke("patch.preflight", "hang-opaque", inventory=inventory(preflight_timeout=16), env=env)
+    res = run_invoke("patch.preflight", "hang-opaque", inventory=inventory(preflight_timeout=30), env=env)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "preflight unproven" in res.stdout and "did not finish within" in res.stdout, res.stdout
     assert "ended with its process group" in res.stdout
     assert "lab1 : failed - preflight unproven (see above: nothing was shown either way)" in res.stdout + res.stderr
-    # both states imported it, each started a grandchild: every one of them was ended on the host
-    assert len(started(pids)) == 4 and all_gone(started(pids), within=5), started(pids)
+    assert "pristine: unproven: the pristine run did not finish within" in res.stdout
+    assert "with the fix set: unproven: the fixed run did not finish within" in res.stdout
+    # the import, and the grandchild it started, were ended on the host with their group
+    assert started(pids) and all_gone(started(pids), within=5), started(pids)
 
 
 def test_4_ctrl_c_ends_the_controller_and_everything_the_proof_started_on_the_host(proof_lab):
@@ -284,3 +286,34 @@ def test_5_shapes_of_a_70b_class_config_and_refusals_of_bad_values(tmp_path):
     assert shapes_of(tmp_path, None)[1] == "no model config.json: default shapes"
     path.write_bytes(b" " * (jsonl.CONFIG_CAP + 1))
     assert f"{path} is over {jsonl.CONFIG_CAP} bytes: not read" in shapes_of(tmp_path, None)
+
+
+# ---- procs' children with deadlines (what the proof and nvidia-smi run through), no host ----------------
+
+def test_4_a_child_past_its_deadline_is_ended_with_its_group_and_one_done_is_not_held_back(tmp_path):
+    from servops.remote import procs
+
+    record = tmp_path / "grandchild"
+
+    def hangs():
+        record.write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+        time.sleep(600)
+
+    assert procs.run_child_with_deadline(hangs, 3, "the run") == {
+        "result": "timeout", "message": "the run did not finish within 3s: ended with its process group"}
+    assert all_gone([int(record.read_text())], within=5)
+
+    def answers_while_a_forked_worker_keeps_the_pipe():
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        return {"result": "pass"}
+
+    assert procs.run_child_with_deadline(answers_while_a_forked_worker_keeps_the_pipe, 120, "the run") == {
+        "result": "pass"}  # its answer, not the deadline's
+    assert procs.run_child_with_deadline(lambda: os._exit(3), 60, "the run") == {
+        "result": "error", "message": "the run ended without an answer (exit status 3)"}
+    with pytest.raises(procs.DeadlineExceeded, match="sh did not finish within 2s: ended with its process group"):
+        procs.run_command_with_deadline(["sh", "-c", f"sleep 600 & echo $! > {record}; wait"], 2)
+    assert all_gone([int(record.read_text())], within=5)
+    assert procs.run_command_with_deadline(["sh", "-c", "cat; echo err >&2"], 10, stdin=b"in") == (0, b"in", b"err\n")

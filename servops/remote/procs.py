@@ -342,8 +342,9 @@ def run_child_with_deadline(fn, deadline_s, what="the child", cap=16 << 20):
         _os.setpgid(pid, pid)  # also here: the group exists before the deadline can need it
     except OSError:
         pass
+    _os.set_blocking(read_end, False)
     deadline = _time.monotonic() + deadline_s
-    chunks, size, outcome = [], 0, None
+    chunks, size, outcome, exited = [], 0, None, False
     try:
         while outcome is None:
             left = deadline - _time.monotonic()
@@ -351,8 +352,13 @@ def run_child_with_deadline(fn, deadline_s, what="the child", cap=16 << 20):
                 outcome = {"result": "timeout", "message": "%s did not finish within %.0fs: ended with its process "
                            "group" % (what, deadline_s)}
                 break
-            if _select.select([read_end], [], [], min(left, 0.5))[0]:
-                chunk = _os.read(read_end, 1 << 16)
+            if exited or _select.select([read_end], [], [], min(left, 0.5))[0]:
+                try:
+                    chunk = _os.read(read_end, 1 << 16)
+                except BlockingIOError:
+                    if exited:  # all the exited child wrote is read: a grandchild that inherited the
+                        break   # pipe (a forked worker) must not hold the answer back until the deadline
+                    continue
                 if not chunk:
                     break
                 size += len(chunk)
@@ -362,6 +368,8 @@ def run_child_with_deadline(fn, deadline_s, what="the child", cap=16 << 20):
                 chunks.append(chunk)
             elif _controller_gone():
                 raise ControllerGone(1)
+            else:  # exited, not yet reaped (WNOWAIT): its pid and group id cannot be reused before end_group
+                exited = _os.waitid(_os.P_PID, pid, _os.WEXITED | _os.WNOHANG | _os.WNOWAIT) is not None
     finally:
         end_group(pid)
         _os.close(read_end)
