@@ -25,7 +25,6 @@ from . import engines, hostreply, interrupt, patchplan, patchstore, releases
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import DEFAULT_STALE_AFTER, check_mode_note, host_lock
 from .errors import ServopsError
-from .hostreply import shown
 from .launchcheck import (LaunchCheck, check_missing_branch, check_variant, raise_if_refused, read_facts, resolve,
                           verdict)
 from .multinode import node_args, with_args
@@ -659,10 +658,10 @@ def drift_text(release: str, drift: list[dict]) -> str:
     def one(d: dict) -> str:
         if d.get("now") is None:
             return f"{d['file']} " + ("is gone" if d.get("kind") == "gone" else f"is no longer the file servops wrote "
-                                      f"({shown(str(d.get('kind') or 'not a regular file'), 160)})")
-        when = str(d.get("recorded") or "none")[7:19]
-        return (f"{d['file']} was changed on the host (sha256 {when}... as written, now {str(d['now'])[7:19]}...; "
-                f"{d.get('bytes', 0):,} bytes, modified {shown(str(d.get('modified')), 40)})")
+                                      f"({hostreply.shown(str(d.get('kind') or 'not a regular file'), 160)})")
+        when = f"{d['recorded'][7:19]}..." if d.get("recorded") else "unknown"
+        return (f"{d['file']} was changed on the host (sha256 {when} as written, now {d['now'][7:19]}...; "
+                f"{d.get('bytes', 0):,} bytes, modified {hostreply.shown(str(d.get('modified')), 40)})")
     return f"{release}: " + "; ".join(one(d) for d in drift[:4]) + (f"; and {len(drift) - 4} more" if len(drift) > 4 else "")
 
 

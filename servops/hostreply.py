@@ -221,6 +221,10 @@ LAUNCH_FACTS = record(python=text, python_version=text, sglang=ENGINE, engine=EN
                       gpus=GPUS, timings=map_of(number), deploy=DEPLOY_FACTS)
 
 
+# host_facts: what a fleet campaign compares between hosts
+HOST_FACTS = record(gpu=GPUS, engine=record(dist=text, version=text), model=MODEL, python=text, patches=TEXTS)
+
+
 # ---- the call-site proof ----------------------------------------------------------------------------
 
 PROOF_STATE = record(result=text, message=text, error_type=text, traceback=text, torch=text, device=text,

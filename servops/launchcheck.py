@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 from . import engines, hostreply
-from .hostreply import shown
 from .errors import ServopsError
+from .hostreply import shown
 from .inventory import Host
 from .playbooks import apply_rules, matching_rules, when_branches
 from .remote_exec import run_program
