@@ -163,14 +163,14 @@ def patch_preflight(c, name, expect_fail=False, hosts=None, inventory=None):
         for line in preflight.describe(patch, res):
             console.print(f"{hs.host.name}: preflight {res['result']}: {hs.redactor(line)}", markup=False)
         if res["result"] == "unproven":  # never a green that proved nothing
-            return FAILED, "preflight unproven (no GPU able to run the call site)"
+            return FAILED, "preflight unproven (see above: nothing was shown either way)"
         if patch.preflight["check"] == "dynamo_call_site":
             # --expect-fail: the pristine call site crashes; else the crash AND the fix must be shown
             passed = (res["pristine"]["result"] == "unsupported") if expect_fail else res["result"] == "pass"
             return (OK if passed else FAILED), f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
         passed = res["result"] == "pass"
         if passed != (not expect_fail):
-            return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res['error_type']}")
+            return FAILED, f"preflight {res['result']}" + ("" if passed else f": {res.get('error_type') or res.get('message')}")
         return OK, f"preflight {res['result']}" + (" (expected)" if expect_fail else "")
 
     return on_hosts(inventory, hosts, op).recap
@@ -471,11 +471,13 @@ def stop(c, grace=0.0, dry_run=False, break_lock=False, hosts=None, inventory=No
     return on_hosts(inventory, hosts, lambda hs: dep.stop(hs, grace or None, dry_run, break_lock)).recap
 
 
-_RESTART_HELP = {"break_lock": "Take the deploy lock even if another operator holds it."}
+_RESTART_HELP = {"break_lock": "Take the deploy lock even if another operator holds it.",
+                 "allow_drift": "Run the release even where its launch files were edited on the host since servops "
+                                "wrote them (refused by default, naming each file)."}
 
 
 @servops_task(help=_RESTART_HELP, changes="start")
-def start(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+def start(c, dry_run=False, break_lock=False, allow_drift=False, hosts=None, inventory=None):
     """Bring the current release's server up where it is down (after a reboot or a stop), health-gated.
 
     No new release: its launch script and patch set as deployed (patches re-applied if they went).
@@ -483,15 +485,17 @@ def start(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
     healthy release, as a deploy does."""
     from servops import deploy as dep
 
-    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "start", dry_run, break_lock)).recap
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "start", dry_run, break_lock,
+                                                                     allow_drift)).recap
 
 
 @servops_task(help=_RESTART_HELP, changes="restart")
-def restart(c, dry_run=False, break_lock=False, hosts=None, inventory=None):
+def restart(c, dry_run=False, break_lock=False, allow_drift=False, hosts=None, inventory=None):
     """Stop and start the current release, health-gated; a crash rolls back to the previous healthy release."""
     from servops import deploy as dep
 
-    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "restart", dry_run, break_lock)).recap
+    return on_hosts(inventory, hosts, lambda hs: dep.restart_current(hs, "restart", dry_run, break_lock,
+                                                                     allow_drift)).recap
 
 
 @servops_task(name="run", positional=["command"], changes="run", help={

@@ -148,9 +148,14 @@ def stop_lines(res: dict) -> list[str]:
         lines.append(f"port {res['port']} is still held by pid(s) {', '.join(map(str, res.get('port_holders') or []))}"
                      f", not a process of this deploy root")
     gpu = res.get("gpu") or {}
+    if gpu.get("error"):
+        lines.append(f"GPU facts unknown: {gpu['error']}")
     for app in gpu.get("others") or []:
         lines.append(f"GPU memory still held by pid {app['pid']} ({app['name']}, {app['used_mib']} MiB), not a "
                      f"process of this deploy root")
+    if gpu.get("skipped"):
+        lines.append(f"{gpu['skipped']} row(s) of nvidia-smi's process list did not parse (a pid that is not a "
+                     f"number): skipped")
     return lines
 
 

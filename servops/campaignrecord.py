@@ -404,11 +404,14 @@ def done_entries(path: Path) -> list[dict]:
 WARM_FACTS = ("engine", "engine_version", "model_path")  # what makes an earlier campaign's best point apply
 
 
-def warm_points(logs: list[tuple[str, str, list[dict]]], facts: dict, objective: str, sense: str) -> list[dict]:
+def warm_points(logs: list[tuple[str, str, list[dict]]], facts: dict, objective: str,
+                sense: str) -> tuple[list[dict], list[str]]:
     """--warm-start: each earlier campaign's best point (`logs`: (host, log name, entries)) that
     ran on the same engine, engine version and model for the same objective: its setting
-    (server_args, env) and where it came from, best first."""
-    out = []
+    (server_args, env) and where it came from, best first; and a line for each point passed over
+    because its objective is not a finite number (Infinity, NaN: a hand edit, a damaged log), so
+    it never wins the ranking."""
+    out, skipped = [], []
     for host, name, entries in logs:
         head = next((e for e in entries if e.get("phase") == "campaign"), None) or {}
         ran_on = head.get("facts") or {}
@@ -416,8 +419,16 @@ def warm_points(logs: list[tuple[str, str, list[dict]]], facts: dict, objective:
                                                       for k in WARM_FACTS):
             continue
         states = trial_states(entries)
-        ok = [s.done for s in states.values() if s.done and s.done.get("outcome") == "ok"
-              and is_number(s.done.get("objective"))]
+        ok = []
+        for s in states.values():
+            if not (s.done and s.done.get("outcome") == "ok" and is_number(s.done.get("objective"))):
+                continue
+            if math.isfinite(s.done["objective"]):
+                ok.append(s.done)
+            else:
+                skipped.append(f"campaign {head.get('campaign') or name} on {host} ({name}): trial "
+                               f"{s.done.get('trial')}'s {objective} is {s.done['objective']}, not a finite number: "
+                               f"skipped")
         if not ok:
             continue
         best = (max if sense == "maximize" else min)(ok, key=lambda e: e["objective"])
@@ -430,4 +441,4 @@ def warm_points(logs: list[tuple[str, str, list[dict]]], facts: dict, objective:
                     "objective": best["objective"],
                     "from": f"campaign {head.get('campaign') or name} on {host} ({name}): its best trial "
                             f"{best['trial']}, {objective} = {num(best['objective'])}"})
-    return sorted(out, key=lambda p: p["objective"], reverse=sense == "maximize")
+    return sorted(out, key=lambda p: p["objective"], reverse=sense == "maximize"), skipped

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 import yaml
 
 from . import deploystages as stages
-from . import auditstage, engines, interrupt, jitcache, patchplan, patchstore, prebuild, releases, startup
+from . import auditstage, engines, hostreply, interrupt, jitcache, patchplan, patchstore, prebuild, releases, startup
 from .bringup import DEFAULT_LEASE_TIMEOUT, LeaseKeeper, Node, bring_up, health_timeout, signatures
 from .deploylock import DEFAULT_STALE_AFTER, check_mode_note, host_lock
 from .errors import ServopsError
@@ -95,6 +95,7 @@ def release_files(hs: HostSession, variant: dict, launch: Launch, patches: list[
         record["engine"] = engine.name
     shown = {k: v for k, v in variant.items() if k not in ("chain",)}
     runs_from = stages.launch_files(hs.host, variant, launch)
+    record["files"] = stages.digests(runs_from)  # as written: start and restart refuse a file edited since
     return {
         "launch.sh": runs_from.pop("launch.sh"),
         # secret values masked: the real ones live only in secrets.env (0600)
@@ -534,7 +535,7 @@ def plan_patches(hs: HostSession, state: dict, store: list[patchstore.Patch], wa
     """(action, patch) pairs that make the host's applied set `wanted`, from release_facts (pure)."""
     from . import patching
 
-    return patchplan.actions(hs.host.name, store, patching.status_rows(store, state["patches"]), wanted)
+    return patchplan.actions(hs.host.name, store, patching.status_rows(hs.host.name, store, state["patches"]), wanted)
 
 
 def _rollback_locked(nodes: list[HostSession], to: str | None, failed: list[str] | None = None,
@@ -683,29 +684,58 @@ def stop(hs: HostSession, grace: float | None, dry_run: bool, break_lock: bool =
 
 # ---- start / restart: the current release, no new one ----------------------------------------
 
+def drift_text(release: str, drift: list[dict]) -> str:
+    """How a release's launch files differ from what servops wrote (deploy_ctl release_drift), in
+    one clause per file (pure)."""
+    def one(d: dict) -> str:
+        if d.get("now") is None:
+            return f"{d['file']} " + ("is gone" if d.get("kind") == "gone" else f"is no longer the file servops wrote "
+                                      f"({hostreply.shown(str(d.get('kind') or 'not a regular file'), 160)})")
+        when = f"{d['recorded'][7:19]}..." if d.get("recorded") else "unknown"
+        return (f"{d['file']} was changed on the host (sha256 {when} as written, now {d['now'][7:19]}...; "
+                f"{d.get('bytes', 0):,} bytes, modified {hostreply.shown(str(d.get('modified')), 40)})")
+    return f"{release}: " + "; ".join(one(d) for d in drift[:4]) + (f"; and {len(drift) - 4} more" if len(drift) > 4 else "")
+
+
 def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_lock: bool = False,
-                    record: dict | None = None) -> tuple[str, str]:
+                    allow_drift: bool = False, record: dict | None = None) -> tuple[str, str]:
     """`start` brings the current release up when its server is down (after a reboot, a stop);
     `restart` stops and starts it. Health-gated and guarded as a deploy is: its patch set is
-    made whole first, and a crash rolls back to the previous healthy release."""
+    made whole first, and a crash rolls back to the previous healthy release. A release whose
+    launch files were edited on the host since servops wrote them is refused, naming each file
+    and how it differs, unless `allow_drift`."""
     state, store = release_facts(hs)
     cur, server = state["current"], state["server"]
     name = hs.host.name
     if not cur:
         raise DeployError(f"{name}: no release is deployed under {state['root']}: invoke deploy --variant V -H {name}")
     rels = {r["name"]: r for r in state["releases"]}
+    if cur not in rels:
+        raise hostreply.malformed(name, "deploy_ctl facts", f"current {cur!r} is not among the releases listed")
     target = rels[cur]
     if verb == "start" and server and server.get("release") == cur:
         ident = releases.ctl(hs, "identity", name=cur, files=[])
         if ident.get("healthy"):
             return OK, f"{cur} already running (pid {server['pid']})"
         raise DeployError(f"{name}: {cur} runs (pid {server['pid']}) but is not healthy: invoke restart -H {name}")
+    drift = state.get("drift") or []
+    if drift and not allow_drift and not dry_run:
+        raise DeployError(f"{name}: {verb} refused: {drift_text(cur, drift)}: it would run as edited, not as deployed. "
+                          f"Look at it on the host ({state['root']}/releases/{cur}), then {verb} --allow-drift to run it "
+                          f"as it is, or deploy again")
     wanted = list(target.get("patches") or [])
     actions = plan_patches(hs, state, store, wanted)
     if dry_run:
         patches = "; patches: " + ", ".join(f"{a} {p.name}" for a, p in actions) if actions else ""
-        return CHANGED, f"would {verb} {cur}{patches} (check mode)" + _lock_note(hs, state, break_lock)
+        drifted = (f"; {drift_text(cur, drift)}: the real run would " + ("run it as edited (--allow-drift)"
+                   if allow_drift else "refuse (--allow-drift runs it)")) if drift else ""
+        return CHANGED, f"would {verb} {cur}{patches}{drifted} (check mode)" + _lock_note(hs, state, break_lock)
     phases = Phases(name, hs.redactor)
+    if drift:
+        phases.step("warning", f"--allow-drift: {drift_text(cur, drift)}; running it as edited")
+    elif state.get("drift") is None:
+        phases.step("note", f"{cur} records no digests of its launch files (made by an older servops): "
+                            f"not checked for edits on the host")
     with host_lock(hs, verb, break_lock, port=int(target.get("port") or server_port(hs)), supersede=True) as lock:
         port = lock.get("port") or {}
         if port.get("busy") and not port.get("ours"):
@@ -717,7 +747,8 @@ def restart_current(hs: HostSession, verb: str, dry_run: bool = False, break_loc
             phases.step("patches", ", ".join(f"{a} {p.name}" for a, p in actions))
         changes = patchplan.run(hs, actions)
         releases.ctl(hs, "rearm", name=cur, guard=guard,
-                     journal={"action": f"{verb}.begin", "who": operator(), "release": cur})
+                     journal={"action": f"{verb}.begin", "who": operator(), "release": cur,
+                              **({"detail": f"--allow-drift: {drift_text(cur, drift)}"} if drift else {})})
         node = Node(hs, cur, target, lock["root"], guard, extra={"server": lock["listing"]["server"],
                                                                 "lock_id": lock["id"]})
         keeper = LeaseKeeper([node], every=max(1.0, guard["lease_timeout"] / 4)).start()

@@ -18,7 +18,8 @@ import uuid
 from contextlib import contextmanager
 
 from . import interrupt
-from .errors import ServopsError, TransportError
+from .errors import RemoteError, ServopsError, TransportError
+from .hostreply import shown
 from .output import err_console
 from .provenance import operator
 from .releases import ctl
@@ -47,6 +48,8 @@ def _owner_alive(held: dict) -> bool | None:
 
 
 def is_stale(held: dict, age: float, stale_after: float) -> str | None:
+    if held.get("damaged"):
+        return f"the lock file is damaged ({shown(held['damaged'], 120)})"
     if held.get("unreadable"):
         return f"the lock file is empty or unreadable ({held.get('size', 0)} bytes)"
     alive = _owner_alive(held)
@@ -58,12 +61,16 @@ def is_stale(held: dict, age: float, stale_after: float) -> str | None:
 
 
 def describe(held: dict) -> str:
+    """The lock's holder in a few words; its text (the host's) cut to a line's worth each."""
+    def cut(key: str) -> str:
+        return shown(str(held.get(key)), 80)
+
     if held.get("unreadable"):
-        return "an unreadable lock file"
+        return "a damaged lock file" if held.get("damaged") else "an unreadable lock file"
     if held.get("guard"):
-        return f"the host's guard, {held.get('action')} ({held.get('detail')})"
-    who = held.get("who") or f"{held.get('user')}@{held.get('controller')}"
-    return f"{who} pid {held.get('pid') or held.get('host_pid')} ({held.get('action')}, since {held.get('acquired_at')})"
+        return f"the host's guard, {cut('action')} ({cut('detail')})"
+    who = cut("who") if held.get("who") else f"{cut('user')}@{cut('controller')}"
+    return f"{who} pid {held.get('pid') or held.get('host_pid')} ({cut('action')}, since {cut('acquired_at')})"
 
 
 def check_mode_note(lock: dict | None, stale_after: float, break_lock: bool) -> str | None:
@@ -89,6 +96,27 @@ def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int 
     (the host's guard stands down); any other waits for that guard."""
     owner = {"id": uuid.uuid4().hex, "who": operator(), "user": getpass.getuser(),
              "controller": socket.gethostname(), "pid": os.getpid(), "action": action}
+    try:
+        res = _acquire(hs, owner, break_lock, port, wait, supersede)
+    except RemoteError:  # a reply servops could not use may have taken the lock all the same: no stale lock
+        _release(hs, owner["id"])
+        raise
+    try:
+        yield res
+    finally:
+        _release(hs, owner["id"])
+
+
+def _release(hs: HostSession, lock_id: str) -> None:
+    try:
+        with interrupt.handling():  # an interrupted operation still releases its lock
+            ctl(hs, "unlock", id=lock_id)
+    except (TransportError, ServopsError):
+        pass  # a lost connection leaves a lock whose owner pid is gone: the next run breaks it
+
+
+def _acquire(hs: HostSession, owner: dict, break_lock: bool, port: int | None, wait: float, supersede: bool) -> dict:
+    """host_lock's taking of the lock (waiting, breaking a stale one): the lock op's reply."""
     res = ctl(hs, "lock", owner=owner, port=port, supersede=supersede or break_lock)
     deadline = time.monotonic() + wait
     while not res["acquired"] and time.monotonic() < deadline and not break_lock and not is_stale(
@@ -108,13 +136,6 @@ def host_lock(hs: HostSession, action: str, break_lock: bool = False, port: int 
             raise LockHeld(f"{hs.host.name}: the deploy lock is held by {describe(res.get('held') or held)}; "
                            f"wait for it, or pass --break-lock if that operation is dead")
     res["id"] = owner["id"]
-    try:
-        yield res
-    finally:
-        try:
-            with interrupt.handling():  # an interrupted operation still releases its lock
-                ctl(hs, "unlock", id=owner["id"])
-        except (TransportError, ServopsError):
-            pass  # a lost connection leaves a lock whose owner pid is gone: the next run breaks it
+    return res
 
 

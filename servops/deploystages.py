@@ -93,7 +93,7 @@ def plan(host: Host, facts: dict, resolved: dict, launch: Launch, wanted: list[s
     before the old server stops: a single-node server, `nodes` 1)."""
     found = facts["deploy"]
     ours = digests(launch_files(host, resolved, launch))  # a server file missing here refuses now
-    actions = patchplan.actions(host.name, store, patching.status_rows(store, found["patches"]), wanted)
+    actions = patchplan.actions(host.name, store, patching.status_rows(host.name, store, found["patches"]), wanted)
     cur = found.get("current") or {}
     caches = jitcache.plan(engines.of_variant(resolved), launch.argv, facts.get("caches"))
     serving = bool(cur.get("name") and cur.get("healthy"))  # with nothing serving, a pre-build saves no downtime

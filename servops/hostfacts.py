@@ -10,7 +10,9 @@ without a host); `gather` is the one SSH round trip per host.
 
 from __future__ import annotations
 
+from . import hostreply
 from .errors import ServopsError
+from .hostreply import shown
 
 # (key, what the table calls it), in the order they are shown
 FACTS = (("gpus", "GPUs"), ("engine", "engine"), ("engine_version", "engine version"), ("model_path", "model path"),
@@ -29,7 +31,7 @@ def flatten(raw: dict, model_path: str | None, server_module: str | None) -> dic
     if not gpu:
         gpus = "none (no nvidia-smi)"
     elif gpu.get("error"):
-        gpus = f"unknown ({gpu['error']})"
+        gpus = f"unknown ({shown(gpu['error'])})"
     else:
         kinds = sorted({n.split(":", 1)[1].split("(UUID")[0].strip() if ":" in n else n for n in names})
         gpus = f"{gpu.get('count')} x {', '.join(kinds) or '?'}"
@@ -93,5 +95,6 @@ def gather(hs, base_variant: dict) -> dict[str, str]:
     argv = render_launch(hs.host, base_variant).argv
     model_path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == f"--{engine.model_flag}"), None) \
         or hs.host.get("model_path")
-    raw = run_program(hs, "host_facts", {"dists": list(engine.dists), "model_path": model_path})
+    raw = hostreply.check(run_program(hs, "host_facts", {"dists": list(engine.dists), "model_path": model_path}),
+                          hostreply.HOST_FACTS, hs.host.name, "host_facts")
     return flatten(raw, model_path, engine.server_module(hs.host))

@@ -25,8 +25,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import engines, jitcache
+from . import engines, hostreply, jitcache
 from .errors import ServopsError
+from .hostreply import shown
 from .inventory import Host
 from .playbooks import apply_rules, matching_rules, when_branches
 from .remote_exec import run_program
@@ -128,7 +129,10 @@ def _run(hs: HostSession, branches: list[dict], deploy_root: str, env: dict,
         args["deploy"] = deploy
         program += "+deploy_facts"
     started = time.monotonic()
-    res = run_program(hs, program, args, env=env or None)
+    res = hostreply.check(run_program(hs, program, args, env=env or None), hostreply.LAUNCH_FACTS, hs.host.name,
+                          program)
+    if deploy is not None:  # asked for: there, and as deploy_facts writes it
+        hostreply.check(res.get("deploy"), hostreply.DEPLOY_FACTS, hs.host.name, f"{program} (its deploy facts)")
     if "engine" in res and "sglang" not in res:  # another engine's program: its facts under "engine"
         res["sglang"] = res["engine"]
     return res, time.monotonic() - started
@@ -145,26 +149,8 @@ def read_facts(hs: HostSession, variant: dict, *, deploy_root: str, deploy: dict
     branches, env = launch_branches(hs.host, variant)
     res, elapsed = _run(hs, branches, deploy_root, env, engine.check_program, deploy,
                         jitcache.facts_request(engine, hs.host))
-    if deploy is not None:
-        _check_deploy_reply(hs.host.name, res.get("deploy"))
     res["sent"], res["elapsed_s"], res["deploy_root"] = branches, round(elapsed, 3), deploy_root
     return res
-
-
-def _check_deploy_reply(host_name: str, found) -> None:
-    """deploy_facts' reply as servops' program writes it (the current release's name is a name,
-    never a path; the records are objects): anything else is one line, before any of it is used."""
-    from .errors import RemoteError
-    from .releases import RELEASE_NAME_RE
-
-    current = found.get("current") if isinstance(found, dict) else None
-    name = current.get("name") if isinstance(current, dict) else None
-    ok = (isinstance(current, dict) and (name is None or (isinstance(name, str) and RELEASE_NAME_RE.fullmatch(name)))
-          and isinstance(current.get("files", {}), dict) and isinstance(current.get("patches") or [], list)
-          and isinstance(found.get("patches"), list) and all(isinstance(e, dict) for e in found["patches"]))
-    if not ok:
-        raise RemoteError(f"{host_name}: the deploy facts are malformed; the host's servops files may be "
-                          f"damaged or tampered with")
 
 
 def engine_version(facts: dict) -> str | None:
@@ -235,6 +221,23 @@ def _fact_problems(check: LaunchCheck, result: dict, res: dict) -> list[str]:
             problems.append(f"needs {needed} GPUs (tp x pp per node), nvidia-smi shows {visible}"
                             + (" visible (CUDA_VISIBLE_DEVICES)" if visible != gpus["count"] else ""))
     return problems
+
+
+def gpu_fact_warnings(gpus: dict | None) -> list[str]:
+    """What nvidia-smi could not tell (it failed or hung and was ended: "GPU facts unknown"; rows of
+    its process list that did not parse, skipped): warnings, never a refusal, whoever's rows."""
+    gpus = gpus or {}
+    out = []
+    if gpus.get("error"):
+        out.append(f"GPU facts unknown: {shown(gpus['error'])}")
+    elif gpus.get("users_error"):
+        out.append(f"GPU memory holders unknown: {shown(gpus['users_error'])}")
+    skipped = gpus.get("users_skipped")
+    if skipped:
+        rows = "; ".join(repr(shown(r, 60)) for r in skipped["rows"][:3])
+        out.append(f"nvidia-smi listed {skipped['count']} process row(s) that do not parse (a pid that is not a "
+                   f"number): skipped ({rows}{', ...' if skipped['count'] > 3 else ''})")
+    return out
 
 
 def gpu_user_warnings(users: list[dict]) -> list[str]:
@@ -339,6 +342,7 @@ def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launc
                         f"models: the launch fails unless something else serves it (--model-impl transformers, "
                         f"an external model package)")
     problems.extend(_fact_problems(check, result, res))
+    warnings.extend(gpu_fact_warnings(res.get("gpus")))
     if module not in DOUBLE_MODULES:
         warnings.extend(gpu_user_warnings((res.get("gpus") or {}).get("users") or []))
     check.problems = [redact(p) for p in problems]
@@ -374,7 +378,7 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
            "static": f"STATIC check of its source ({f.get('parser_actions')} flags)", None: "not checked"}[check.parser]
     rows.append((check.engine, f"{ver}: {how}"))
     if f.get("parser_cache"):
-        rows.append(("parser cache", str(f["parser_cache"])))
+        rows.append(("parser cache", shown(f["parser_cache"])))
     rows.append(("python", f"{f.get('python')} ({f.get('python_version')})"))
     model = f.get("model")
     if model:
@@ -392,7 +396,7 @@ def _fact_rows(check: LaunchCheck) -> list[tuple[str, str]]:
     if gpus is None:
         rows.append(("GPUs", f"{needed or '?'} needed; no nvidia-smi on the host"))
     elif gpus.get("count") is None:
-        rows.append(("GPUs", f"{needed or '?'} needed; {gpus.get('error')}"))
+        rows.append(("GPUs", f"{needed or '?'} needed; GPU facts unknown: {shown(str(gpus.get('error')))}"))
     else:
         users = gpus.get("users")
         held = ("" if users is None else "; GPU memory: " + (

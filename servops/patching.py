@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import hostreply
 from .output import CHANGED, OK, console, err_console, is_tty
 from .provenance import operator
 from .releases import deploy_root
@@ -45,19 +46,26 @@ def _run(hs: HostSession, op: str, **args) -> dict:
 
 def status(hs: HostSession, patches: list[Patch], lock_timeout: int = 30) -> list[dict]:
     res = _run(hs, "status", patches=[p.remote_spec() for p in patches], lock_timeout=lock_timeout)
-    return status_rows(patches, res["patches"])
+    return status_rows(hs.host.name, patches, res.get("patches"))
 
 
-def status_rows(patches: list[Patch], entries: list[dict]) -> list[dict]:
+def status_rows(host: str, patches: list[Patch], entries) -> list[dict]:
     """The host's patch program's entries (one per patch, in order) as status rows (pure): a
-    version outside a patch's applies_to is a mismatch unless the patch is applied."""
+    version outside a patch's applies_to is a mismatch unless the patch is applied. Entries not as
+    patch_op writes them (a field's type, one per patch asked about, in order) are one line naming
+    the entry (RemoteError), before any is used."""
+    hostreply.check(entries, hostreply.list_of(hostreply.PATCH_ENTRY), host, "the patch status")
+    names = [e["name"] for e in entries]
+    if names != [p.name for p in patches]:
+        raise hostreply.malformed(host, "the patch status", f"entries for {hostreply.shown(', '.join(names), 120) or 'no patch'}, "
+                                  f"asked for {hostreply.shown(', '.join(p.name for p in patches), 120)}")
     rows = []
     for patch, entry in zip(patches, entries):
         state = _REMOTE_STATE[entry["state"]]
-        if entry["version"] and not patch.version_ok(entry["version"]) and state != APPLIED:
+        if entry.get("version") and not patch.version_ok(entry["version"]) and state != APPLIED:
             state = MISMATCH
-        rows.append({"patch": patch.name, "dist": patch.distribution, "version": entry["version"],
-                     "state": state, "recorded": entry["recorded"], "applies_to": str(patch.applies_to)})
+        rows.append({"patch": patch.name, "dist": patch.distribution, "version": entry.get("version"),
+                     "state": state, "recorded": bool(entry.get("recorded")), "applies_to": str(patch.applies_to)})
     return rows
 
 

@@ -13,7 +13,8 @@ result. Where that cannot run (no GPU, another GPU generation) the answer is "un
 
 from __future__ import annotations
 
-from . import patchstore
+from . import hostreply, patchstore
+from .hostreply import shown
 from .patchstore import Patch, PatchError
 from .remote_exec import run_program
 from .transport import HostSession
@@ -39,22 +40,34 @@ def call_site_args(hs: HostSession, patch: Patch) -> dict:
             "model_path": hs.host.get("model_path"), "patches": [p.remote_spec() for p in fix_set(patch)]}
 
 
-def run_preflight(hs: HostSession, patch: Patch, timeout: int = 600) -> dict:
+# The proof's time on the host (inventory `preflight_timeout`): its children (the imports, the
+# compiles) share it and are ended at it with their process groups; the controller waits a little
+# longer, so the host's own answer ("unproven: ... did not finish") comes back rather than a timeout.
+DEFAULT_PREFLIGHT_TIMEOUT = 600.0
+REPLY_MARGIN = 30
+
+
+def run_preflight(hs: HostSession, patch: Patch) -> dict:
     if not patch.preflight:
         raise PatchError(f"patch {patch.name} has no 'preflight' in {patch.path.with_suffix('.yml')}")
     pf = patch.preflight
+    budget = float(hs.host.get("preflight_timeout") or DEFAULT_PREFLIGHT_TIMEOUT)
     if pf["check"] == "dynamo_call_site":
-        return run_program(hs, "preflight_dynamo", call_site_args(hs, patch), env=host_env(hs), timeout=timeout)
-    args = {"module": pf["module"], "call": pf["call"], "args": pf.get("args") or [],
-            "backend": pf.get("backend", "eager")}
-    return run_program(hs, "preflight_dynamo", args, env=host_env(hs), timeout=timeout)
+        args = call_site_args(hs, patch)
+    else:
+        args = {"module": pf["module"], "call": pf["call"], "args": pf.get("args") or [],
+                "backend": pf.get("backend", "eager")}
+    res = run_program(hs, "preflight_dynamo", dict(args, deadline_s=budget), env=host_env(hs),
+                      timeout=int(budget) + REPLY_MARGIN)
+    return hostreply.check(res, hostreply.PREFLIGHT, hs.host.name, "preflight_dynamo")
 
 
 def _state_line(label: str, res: dict) -> str:
     if res.get("result") == "pass":
         cases = res.get("cases") or []
         return f"{label}: compiles under torch.compile(fullgraph=True), equal to eager ({len(cases)} call(s))"
-    return f"{label}: {res.get('result')}: {res.get('error_type') or ''} {res.get('message') or ''}".rstrip()
+    detail = " ".join(shown(part, 500) for part in (res.get("error_type"), res.get("message")) if part)
+    return f"{label}: {res.get('result')}" + (f": {detail}" if detail else "")
 
 
 def describe(patch: Patch, res: dict) -> list[str]:
@@ -62,15 +75,17 @@ def describe(patch: Patch, res: dict) -> list[str]:
     pf = patch.preflight
     if pf["check"] != "dynamo_call_site":
         if res["result"] == "pass":
-            return [f"{pf['call']} compiles under torch.compile(fullgraph=True) (torch {res['torch']})"]
-        return [f"{res.get('error_type')}: {res.get('message')}"]
+            return [f"{pf['call']} compiles under torch.compile(fullgraph=True) (torch {res.get('torch', '?')})"]
+        return [f"{shown(res.get('error_type') or res['result'], 200)}: {shown(res.get('message') or '', 500)}"]
     names = ", ".join(p.name for p in fix_set(patch))
     fixed = res.get("fixed") or {}
     lines = [f"call site {res.get('call_site')} on {fixed.get('device') or 'no GPU'} "
-             f"(torch {fixed.get('torch', '?')}); fix set: {names}",
-             _state_line("pristine", res.get("pristine") or {}),
-             _state_line("with the fix set", fixed)]
-    lines += [f"  shapes: {case['what']}" for case in fixed.get("cases") or []]
+             f"(torch {fixed.get('torch', '?')}); fix set: {names}"]
+    if res.get("message"):  # nothing could run (the model's shapes, the fix set's copies): said once
+        lines.append(f"not run: {shown(res['message'], 500)}")
+    else:
+        lines += [_state_line("pristine", res.get("pristine") or {}), _state_line("with the fix set", fixed)]
+    lines += [f"  shapes: {shown(case.get('what') or '?', 300)}" for case in fixed.get("cases") or []]
     verdict = {"pass": "proven: pristine crashes as the server does, the fix set compiles and matches eager",
                "unproven": "NOT proven on this host (see above): nothing was shown either way",
                "not-needed": "pristine already compiles here: this host does not need the fix",

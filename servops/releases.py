@@ -6,11 +6,12 @@ Thin wrappers over the remote deploy_ctl program; each call is one SSH command.
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, Callable
 
+from . import hostreply
 from .errors import RemoteError, ServopsError
+from .hostreply import RELEASE_NAME_RE
 from .inventory import deploy_root  # noqa: F401 - callers read it as releases.deploy_root
 from .remote_exec import run_program
 from .transport import HostSession
@@ -42,67 +43,15 @@ def ctl(hs: HostSession, op: str, ssh_timeout: int | None = None,
 
 
 def check_reply(hs: HostSession, op: str, data: dict) -> dict:
-    """A deploy_ctl reply as servops' program writes it: release names are names (never paths),
-    records are objects, the server's pid a number. A host (or files on it) sending anything
-    else is one line naming the host and the field, before any of it is used."""
-    def bad(where: str) -> None:
-        raise RemoteError(f"{hs.host.name}: deploy_ctl {op} sent a malformed reply ({where}); the host's "
-                          f"servops files may be damaged or tampered with")
-
-    def name_ok(value: Any, where: str, optional: bool = True) -> None:
-        if value is None and optional:
-            return
-        if not isinstance(value, str) or not RELEASE_NAME_RE.fullmatch(value):
-            bad(f"{where} {str(value)[:80]!r} is not a release name")
-
-    def walk(d: Any, where: str) -> None:
-        if not isinstance(d, dict):
-            bad(f"{where or 'reply'} is not an object")
-        name_ok(d.get("current"), f"{where}current")
-        if "releases" in d:
-            if not isinstance(d["releases"], list):
-                bad(f"{where}releases is not a list")
-            for r in d["releases"]:
-                if not isinstance(r, dict):
-                    bad(f"{where}releases holds a non-object")
-                name_ok(r.get("name"), f"{where}releases[].name", optional=False)
-                if not isinstance(r.get("patches") or [], list):
-                    bad(f"{where}release {r['name']}: patches is not a list")
-        server = d.get("server")
-        if server is not None and not (isinstance(server, dict) and isinstance(server.get("pid"), int)
-                                       and not isinstance(server.get("pid"), bool)):
-            bad(f"{where}server is not a server record")
-        for key in ("listing", "release") if op == "status" else ("listing",):
-            if d.get(key) is not None:
-                if key == "release":
-                    if not isinstance(d[key], dict):
-                        bad(f"{where}release is not an object")
-                else:
-                    walk(d[key], f"{where}{key}.")
-        for key in ("lines", "entries", "problems"):
-            if key in d and not isinstance(d[key], list):
-                bad(f"{where}{key} is not a list")
-        for key, fields in (("unfinished", ("release", "guard", "detail")), ("leftovers", ("release",))):
-            for item in d.get(key) or []:
-                if not isinstance(item, dict) or not all(isinstance(item.get(f), str) for f in fields):
-                    bad(f"{where}{key} holds a malformed record")
-                name_ok(item["release"], f"{where}{key}[].release", optional=False)
-        if "results" in d:
-            if not isinstance(d["results"], list):
-                bad(f"{where}results is not a list")
-            for i, step in enumerate(d["results"]):
-                walk(step, f"{where}results[{i}].")
-
-    walk(data, "")
-    return data
+    """A deploy_ctl reply as servops' program writes it (hostreply.deploy_ctl: release names are
+    names, never paths; records are objects; pids, ports and the lock's fields are what they say):
+    anything else is one line naming the host and the field, before any of it is used."""
+    return hostreply.check(data, hostreply.deploy_ctl(op), hs.host.name, f"deploy_ctl {op}")
 
 
 def batch(hs: HostSession, *steps: dict, ssh_timeout: int | None = None) -> list[dict]:
     """Several deploy_ctl ops in one SSH command; a failing step stops the rest."""
     return ctl(hs, "batch", ssh_timeout=ssh_timeout, steps=list(steps))["results"]
-
-
-RELEASE_NAME_RE = re.compile(r"[0-9]{8}T[0-9]{6}Z-[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def check_name(name: str, flag: str) -> str:

@@ -221,6 +221,7 @@ INVENTORY_VARS = {
     "connect_timeout": POSITIVE,
     "persist": Field("any", check=_persist_problem),
     "command_timeout": POSITIVE,
+    "preflight_timeout": POSITIVE,
     "health_timeout": POSITIVE,
     "lease_timeout": Field("number", low=5, what="a number of seconds >= 5"),
     "deploy_root": Field("path"),

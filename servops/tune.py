@@ -678,7 +678,11 @@ class Runner:
             except TuneError:
                 continue
         queued = set()
-        for p in warm_points(logs, head.get("facts") or {}, self.camp.objective.written, self.camp.objective.sense):
+        points, skipped = warm_points(logs, head.get("facts") or {}, self.camp.objective.written,
+                                      self.camp.objective.sense)
+        for line in skipped:
+            self.say(f"tune: warm start: {line}")
+        for p in points:
             params = searchmod.params_of(self.camp.spaces, p)
             key = json.dumps(params, sort_keys=True, default=str)
             if params is None or key in queued:

@@ -41,13 +41,13 @@ os.environ["SERVOPS_HOSTS"] = "all"
 # server ports 30000+10N.., its own slice of free_port's range, its own agent directory and
 # results directory (below) and its own copies of the venvs the tests patch (remote_env).
 # Two suites at once on one machine (two checkouts' runs) each take a slot, SERVOPS_TEST_SLOT=0..3:
-# slot S's worker N is index N + 8*S, with addresses, server ports and free ports of its own.
+# slot S's worker N is index N + 8*S, with addresses, server ports, free ports and venv copies of
+# its own (two slots' gw0 patching one copy refused each other's patches, or undid them).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER") or "main"
 SLOT = int(os.environ.get("SERVOPS_TEST_SLOT") or 0)
 WORKER_INDEX = (int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit() else 0) + 8 * SLOT
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-# The worker's own copies of the venvs the tests patch (servops/lab/venvs.py worker_copy): per slot too.
-COPY_ID = f"slot{SLOT}-{WORKER}"
+COPY_ID = f"slot{SLOT}-{WORKER}"  # the name of this worker's venv copies (servops/lab/venvs.py worker_copy)
 if WORKERS > 1 or SLOT:  # 20000-29999 in slices of 312 (8 workers x 4 slots); 30000+ stays the lab's server ports
     slice_ = 10000 // 32
     os.environ[PORTS_ENV] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"

@@ -241,12 +241,12 @@ def test_plan_refuses_a_server_file_that_is_missing_locally_before_any_lock(tmp_
                                    {"current": {"name": None}, "patches": "all"},
                                    {"current": {"name": "20261206T101500Z-baseline", "files": []}, "patches": []}])
 def test_malformed_deploy_facts_are_one_line_before_any_use(found):
+    from servops import hostreply
     from servops.errors import RemoteError
-    from servops.launchcheck import _check_deploy_reply
 
-    with pytest.raises(RemoteError, match="^h1: the deploy facts are malformed"):
-        _check_deploy_reply("h1", found)
-    _check_deploy_reply("h1", host_facts(load_variant("baseline"))["deploy"])
+    with pytest.raises(RemoteError, match="^h1: launch_check sent a malformed reply"):
+        hostreply.check(found, hostreply.DEPLOY_FACTS, "h1", "launch_check")
+    hostreply.check(host_facts(load_variant("baseline"))["deploy"], hostreply.DEPLOY_FACTS, "h1", "launch_check")
 
 
 def test_check_mode_names_what_the_deploy_lock_would_do():

@@ -41,12 +41,17 @@ def test_the_csv_and_the_listing_parse_and_odd_rows_are_skipped():
            "\n"
            "No running processes found\n"
            "pid, gpu_uuid, used_gpu_memory [MiB], process_name\n"
-           f"4014, {GPU1}, [Insufficient Permissions], trainer, run 7\n")   # a name with a comma: taken whole
-    assert procs.parse_gpu_apps(csv) == [
+           f"4014, {GPU1}, [Insufficient Permissions], trainer, run 7\n"    # a name with a comma: taken whole
+           f"\u00b2, {GPU1}, 10, odd\n"                                       # a pid '²' (isdigit, not a number)
+           f"99999999999999999999, {GPU1}, 10, huge\n"
+           f"4015, {GPU0}, nan, caf\ufffd\n")                                 # a Latin-1 byte, decoded with replacement
+    assert procs.parse_gpu_apps(csv) == ([
         {"pid": 4012, "gpu_uuid": GPU0, "used_mib": 40536.0, "name": "/usr/bin/python3"},
         {"pid": 4013, "gpu_uuid": GPU1, "used_mib": None, "name": "python"},
-        {"pid": 4014, "gpu_uuid": GPU1, "used_mib": None, "name": "trainer,run 7"}]
-    assert procs.parse_gpu_apps("") == []
+        {"pid": 4014, "gpu_uuid": GPU1, "used_mib": None, "name": "trainer,run 7"},
+        {"pid": 4015, "gpu_uuid": GPU0, "used_mib": None, "name": "caf\ufffd"}],
+        [f"\u00b2, {GPU1}, 10, odd", f"99999999999999999999, {GPU1}, 10, huge"])
+    assert procs.parse_gpu_apps("") == ([], [])
 
 
 def _children(pid: int, within: float = 10.0) -> list[int]:
@@ -71,7 +76,7 @@ def test_the_servers_session_is_ours_another_process_is_not_and_an_unseen_pid_is
         gone.wait()
         csv = "".join(f"{pid}, {GPU0}, 1024, {name}\n" for pid, name in (
             (server.pid, "python3"), (worker, "python3"), (other.pid, "sleep"), (gone.pid, "python3")))
-        users = lf["gpu_users"](procs.parse_gpu_apps(csv), lf["gpu_indexes"](LISTING), server.pid)
+        users = lf["gpu_users"](procs.parse_gpu_apps(csv)[0], lf["gpu_indexes"](LISTING), server.pid)
         assert [u["ours"] for u in users] == [True, True, False, None]
         assert {u["gpu"] for u in users} == {0}
         # no server of ours: every process seen is another's

@@ -195,10 +195,18 @@ def test_warm_start_asks_an_earlier_campaigns_best_first_and_says_where_from(noi
     ok = [e for e in first if e.get("phase") == "done" and e.get("outcome") == "ok"]
     best = max(ok, key=lambda e: e["objective"])
     spec = next(e for e in first if e.get("phase") == "start" and e["trial"] == best["trial"])["spec"]
+    # issue 48.9: a trial whose objective reads back as Infinity (a hand edit) never wins: skipped, said
+    forged = dict(spec, server_args=dict(spec["server_args"], **{
+        "cuda-graph-max-bs": 4 if spec["server_args"].get("cuda-graph-max-bs") != 4 else 8}))
+    with open(results / "lab1" / "campaigns" / "first" / "trials.jsonl", "a") as fh:
+        fh.write(json.dumps({"phase": "start", "trial": "forged", "spec": forged}) + "\n")
+        fh.write(json.dumps({"phase": "done", "trial": "forged", "outcome": "ok", "objective": float("inf")}) + "\n")
 
     (camps / "second.yml").write_text(WARM.replace("seed: 5", "seed: 9"))
     res = run_invoke("tune", "second", "--warm-start", inventory=inv, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert ("tune: warm start: campaign first on lab1 (first/trials.jsonl): trial forged's output_tps@16 is inf, not "
+            "a finite number: skipped") in res.stdout, res.stdout
     second = [e for e in log_of(results, "second") if e.get("phase") == "start" and "trial" in e]
     first_trial = next(e for e in second if e["trial"] != "base")
     assert first_trial["spec"]["server_args"] == spec["server_args"]

@@ -4,6 +4,7 @@ campaign's start-up bounds (the phases themselves: tests/test_startup.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -132,10 +133,19 @@ def test_warm_start_takes_earlier_best_points_of_the_same_engine_version_model_a
     logs = [("gpu1", "old/trials.jsonl", log("output_tps@16", facts, {"a": 100.0, "b": 120.0})),
             ("gpu1", "other/trials.jsonl", log("output_tps@16", dict(facts, engine_version="0.5.9"), {"c": 900.0})),
             ("gpu2", "lat/trials.jsonl", log("ttft_p99@16", facts, {"d": 5.0}))]
-    points = campaignrecord.warm_points(logs, facts, "output_tps@16", "maximize")
+    points, skipped = campaignrecord.warm_points(logs, facts, "output_tps@16", "maximize")
     assert [(p["server_args"], p["from"]) for p in points] == [
         ({"cuda-graph-max-bs": 16}, "campaign old on gpu1 (old/trials.jsonl): its best trial b, output_tps@16 = 120.0")]
-    assert campaignrecord.warm_points(logs, {}, "output_tps@16", "maximize") == []  # facts unknown: nothing applies
+    assert skipped == []
+    assert campaignrecord.warm_points(logs, {}, "output_tps@16", "maximize") == ([], [])  # facts unknown: nothing applies
+    # issue 48.9: an objective that is not finite (Infinity, NaN read back from a log) never wins: skipped, said
+    hostile = [("gpu1", "old/trials.jsonl", log("output_tps@16", facts, {"a": 100.0, "inf": math.inf, "nan": math.nan,
+                                                                         "ninf": -math.inf}))]
+    for sense in ("maximize", "minimize"):
+        points, skipped = campaignrecord.warm_points(hostile, facts, "output_tps@16", sense)
+        assert [p["objective"] for p in points] == [100.0]
+        assert skipped == [f"campaign old on gpu1 (old/trials.jsonl): trial {t}'s output_tps@16 is {v}, not a finite "
+                           f"number: skipped" for t, v in (("inf", "inf"), ("nan", "nan"), ("ninf", "-inf"))]
     axes = [search.parse_axis("server_args", "cuda-graph-max-bs", [8, 16, 32]),
             search.parse_axis("server_args", "mem-fraction-static", {"low": 0.8, "high": 0.9})]
     spaces = [search.Space("knobs", "baseline", {}, {}, axes)]

@@ -17,12 +17,17 @@ from typing import Mapping
 _HERE = Path(__file__).resolve().parent
 # Library files a program needs besides _common.py, placed before its own code.
 _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
-             "launch_check": ["procs", "sglang_args", "argtable", "launch_cache", "launch_facts", "cache_ledger"],
-             "host_facts": ["procs", "launch_facts"],
-             "launch_check_vllm": ["procs", "sglang_args", "vllm_args", "argtable", "launch_cache", "launch_facts",
-                                   "cache_ledger"],
-             "patch_op": ["procs", "jsonl", "patch_core"], "deploy_ctl": ["procs", "jsonl", "patch_core", "startlog", "cache_ledger"],
+             # launch_facts reads the model's config.json with jsonl.read_config_json
+             "launch_check": ["procs", "jsonl", "sglang_args", "argtable", "launch_cache", "launch_facts", "cache_ledger"],
+             "host_facts": ["procs", "jsonl", "launch_facts"],
+             "launch_check_vllm": ["procs", "jsonl", "sglang_args", "vllm_args", "argtable", "launch_cache",
+                                   "launch_facts", "cache_ledger"],
+             "patch_op": ["procs", "jsonl", "patch_core"],
+             "deploy_ctl": ["procs", "jsonl", "patch_core", "startlog", "cache_ledger"],
              "end_command": ["procs"], "audit_compile": ["procs", "jsonl", "model_shrink"],
+             # the call-site proof: children with deadlines (procs), the model's config.json read
+             # bounded (jsonl.read_config_json)
+             "preflight_dynamo": ["procs", "jsonl"],
              # a launch check that also answers what a deploy needs to know (PROGRAM+deploy_facts):
              # the current release (deploy_ctl's readers, included as a library), the patch state
              "deploy_facts": ["jsonl", "patch_core", "startlog", "deploy_ctl"]}
@@ -49,6 +54,7 @@ def standalone(name: str) -> str:
 def program(name: str) -> str:
     base, _, extra = name.partition("+")  # "launch_check+deploy_facts": extra's library before base's code
     parts = ["_common"] + _INCLUDES.get(base, []) + (_INCLUDES.get(extra, []) + [extra] if extra else []) + [base]
+    parts = list(dict.fromkeys(parts))  # a library both include is placed once, where first needed
     # _SERVOPS_MAIN: which program runs (deploy_ctl, included as a library, then runs no op)
     return f"_SERVOPS_MAIN = {name!r}\n" + "\n\n".join(f"# ---- {p} ----\n" + (_HERE / f"{p}.py").read_text(encoding="utf-8") for p in parts)
 

@@ -141,12 +141,27 @@ def lock_state():
     # wrote: unreadable, so stale and breakable (the break unlinks the entry, never its target).
     held = read_json(LOCKFILE) if stat.S_ISREG(st.st_mode) else None
     age = time.time() - st.st_mtime
-    if not isinstance(held, dict) or not held.get("id"):
-        return {"id": None, "unreadable": True, "size": st.st_size, "mtime": st.st_mtime}, age, False
+    damaged = lock_problem(held) if isinstance(held, dict) and held.get("id") else None
+    if not isinstance(held, dict) or not held.get("id") or damaged:
+        return dict({"id": None, "unreadable": True, "size": st.st_size, "mtime": st.st_mtime},
+                    **({"damaged": damaged} if damaged else {})), age, False
     # A holder running ON this host (the guard) is alive or not by its pid and start time.
     if held.get("host_pid"):
         held["alive_on_host"] = proc_starttime(held["host_pid"]) == held.get("host_starttime")
     return held, age, True
+
+
+def lock_problem(held):
+    """Why a lock record is not one servops writes (a field of another type, a pid that is none),
+    or None: such a record is taken for an unreadable lock, stale and breakable."""
+    for key in ("id", "who", "user", "controller", "action", "acquired_at", "detail", "host_starttime"):
+        if held.get(key) is not None and not isinstance(held[key], str):
+            return "%s %s is not text" % (key, repr(held[key])[:40])
+    for key in ("pid", "host_pid"):
+        value = held.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 22):
+            return "%s %s is not a pid" % (key, repr(value)[:40])
+    return None
 
 
 def lock_record():
@@ -240,10 +255,44 @@ def op_releases():
 def op_facts():
     """`releases` and the state of the given patches in one round trip: what rollback, start and
     restart plan from (the patch state as patch.status reads it, after finishing a transaction a
-    killed patch run left behind)."""
+    killed patch run left behind), and how the current release's launch files drifted."""
     status = do_status(ARGS["patches"], ARGS.get("lock_timeout", 30)) if ARGS.get("patches") else {}
-    return dict(op_releases(), patches=status.get("patches") or [], patches_recovered=status.get("recovered"),
-                lock=lock_record())
+    listing = op_releases()
+    return dict(listing, patches=status.get("patches") or [], patches_recovered=status.get("recovered"),
+                lock=lock_record(), drift=release_drift(listing["current"]) if listing["current"] else None)
+
+
+def release_drift(name):
+    """The launch files of release `name` that are no longer what servops wrote (release.json's
+    "files": each one's sha256 as written): [{file, recorded, now, bytes, modified}], `now` None
+    for a file gone or no longer a regular file (`kind` says what); None where nothing was
+    recorded (a release made by an older servops)."""
+    import hashlib
+    recorded = release_info(name).get("files")
+    if not isinstance(recorded, dict):
+        return None
+    d = release_dir(name)
+    drift = []
+    for rel, digest in sorted(recorded.items()):
+        if not isinstance(rel, str) or "/" in rel or rel.startswith("."):
+            continue
+        path = os.path.join(d, rel)
+        entry = {"file": rel, "recorded": digest if isinstance(digest, str) else None, "now": None}
+        try:
+            with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:  # never a FIFO or a symlink's target
+                h = hashlib.sha256()
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+                st = os.fstat(fh.fileno())
+            entry.update(now="sha256=" + h.hexdigest(), bytes=st.st_size,
+                         modified=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.st_mtime)))
+        except FileNotFoundError:
+            entry["kind"] = "gone"
+        except (OSError, FileProblem) as exc:
+            entry["kind"] = str(exc).split("; ")[0]
+        if entry["now"] != entry["recorded"]:
+            drift.append(entry)
+    return drift
 
 
 def op_prepare():
@@ -458,11 +507,12 @@ def proc_state(pid):
 def gpu_report(ours):
     """On a GPU host: compute apps still holding GPU memory after the stop (a leftover of ours
     would starve the next server; another's is named so the operator knows)."""
-    apps = gpu_apps()
-    if apps is None:
-        return None
+    found = gpu_apps()
+    if found is None or "error" in found:
+        return found
+    apps = [dict(a, name=a["name"][:80]) for a in found["apps"][:64]]
     return {"ours": [a for a in apps if a["pid"] in ours and proc_starttime(a["pid"])],
-            "others": [a for a in apps if a["pid"] not in ours]}
+            "others": [a for a in apps if a["pid"] not in ours], "skipped": len(found["skipped"])}
 
 
 def op_stop():

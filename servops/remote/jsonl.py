@@ -8,6 +8,7 @@
 # the log names the last entry written, so cutting entries off the end shows too.
 # Reading: a damaged line (torn, not an object, wrong field types, nested past the parser) is
 # skipped and counted with its line number; it never makes the whole log unreadable.
+# Also the bounded read of a JSON file the host supplies (read_config_json: a model's config.json).
 import fcntl as _fcntl
 import hashlib as _hashlib
 import json as _json
@@ -31,14 +32,15 @@ def _kind(mode):
     return "not a regular file"
 
 
-def open_regular(path, flags, mode=0o600):
-    """os.open that never blocks on a FIFO, never follows a symlink and never hands back
-    anything but a regular file: one line naming the path otherwise."""
+def open_regular(path, flags, mode=0o600, follow=False):
+    """os.open that never blocks on a FIFO, never follows a symlink (unless `follow`: a file the
+    host supplies, such as a model snapshot's config.json linking into the hub's blobs) and never
+    hands back anything but a regular file: one line naming the path otherwise."""
     try:
-        fd = _os.open(path, flags | _os.O_NOFOLLOW | _os.O_NONBLOCK | _os.O_CLOEXEC, mode)
+        fd = _os.open(path, flags | (0 if follow else _os.O_NOFOLLOW) | _os.O_NONBLOCK | _os.O_CLOEXEC, mode)
     except OSError as exc:
         try:
-            st = _os.lstat(path)
+            st = (_os.stat if follow else _os.lstat)(path)
         except OSError:
             raise exc from None
         if not _stat.S_ISREG(st.st_mode):
@@ -63,6 +65,24 @@ def require_regular(path):
     if not _stat.S_ISREG(st.st_mode):
         raise FileProblem("%s is %s, not a regular file; servops reads and writes only regular files there: "
                           "remove it" % (path, _kind(st.st_mode)))
+
+
+CONFIG_CAP = 4 << 20  # a model's config.json, at most (real ones are tens of KB)
+
+
+def read_config_json(path, cap=CONFIG_CAP):
+    """The JSON value of a file the host supplies (a model's config.json): symlinks followed, a
+    regular file only (a FIFO or a device, e.g. a link to /dev/zero, is never read), at most `cap`
+    bytes. FileNotFoundError when absent; FileProblem, naming the file and why, otherwise."""
+    fd = open_regular(path, _os.O_RDONLY, follow=True)
+    with _os.fdopen(fd, "rb") as fh:
+        data = fh.read(cap + 1)
+    if len(data) > cap:
+        raise FileProblem("%s is over %d bytes: not read" % (path, cap))
+    try:
+        return _json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise FileProblem("%s is not JSON: %s" % (path, str(exc)[:200])) from None
 
 
 def read_regular(path, limit=None):

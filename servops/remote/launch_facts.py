@@ -1,9 +1,7 @@
 # Facts a launch needs on the host, whatever the engine: the model path, the port, the GPUs,
 # and stdout kept clean while an engine is imported. Included by launch_check (sglang) and
-# launch_check_vllm, after _common and procs.
-import json as _json
+# launch_check_vllm, after _common, procs and jsonl.
 import shutil
-import subprocess
 
 
 def _stdout_to_stderr():
@@ -34,25 +32,30 @@ def gpu_fact(root=None):
     """The GPUs nvidia-smi lists; with a deploy root, also who holds GPU memory now ("users"):
     a process servops did not start there (another job, a notebook) leaves the new server less
     memory than its --mem-fraction-static assumes, so the launch check names it before anything
-    stops."""
+    stops. nvidia-smi's output is decoded with replacement (a process name is any bytes), and an
+    nvidia-smi that hangs is ended at its deadline: {"count": None, "error": why}."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return {"count": None, "error": "nvidia-smi: %s" % exc}
-    if out.returncode != 0:
-        return {"count": None, "error": "nvidia-smi -L exited %d: %s" % (out.returncode, (out.stderr or out.stdout).strip()[:200])}
-    names = [l.strip() for l in out.stdout.splitlines() if l.strip().startswith("GPU ")]
+        code, out, err = run_command_with_deadline([smi, "-L"], SMI_DEADLINE)
+    except (OSError, DeadlineExceeded) as exc:
+        return {"count": None, "error": "nvidia-smi -L: %s" % exc}
+    listing = out.decode("utf-8", "replace")
+    if code != 0:
+        return {"count": None, "error": "nvidia-smi -L exited %d: %s" % (
+            code, (err.decode("utf-8", "replace") or listing).strip()[:200])}
+    names = [l.strip()[:200] for l in listing.splitlines() if l.strip().startswith("GPU ")]
     fact = {"count": len(names), "names": names[:16]}
     if root is not None:
         apps = gpu_apps()
-        if apps is None:
-            fact["users_error"] = "nvidia-smi --query-compute-apps gave no answer"
+        if apps is None or "error" in apps:
+            fact["users_error"] = (apps or {}).get("error") or "nvidia-smi --query-compute-apps gave no answer"
         else:
             ours = our_server(root)
-            fact["users"] = gpu_users(apps, gpu_indexes(out.stdout), ours and ours["pid"])
+            fact["users"] = gpu_users(apps["apps"], gpu_indexes(listing), ours and ours["pid"])
+            if apps["skipped"]:  # said, never fatal: a foreign process's row cannot refuse a deploy
+                fact["users_skipped"] = {"count": len(apps["skipped"]), "rows": apps["skipped"][:3]}
     return fact
 
 
@@ -79,7 +82,7 @@ def gpu_users(apps, indexes, our_pid):
     users = []
     for app in apps[:64]:
         fields = _proc_stat(app["pid"])
-        users.append(dict(app, name=app["name"][:80], gpu=indexes.get(app["gpu_uuid"]),
+        users.append(dict(app, name=app["name"][:80], gpu_uuid=app["gpu_uuid"][:80], gpu=indexes.get(app["gpu_uuid"]),
                           ours=None if fields is None else bool(our_pid) and fields[3] == str(our_pid)))
     return users
 
@@ -97,11 +100,10 @@ def model_fact(path):
         fact = {"path": path, "state": "dir", "config": os.path.isfile(config)}
         if fact["config"]:
             try:
-                with open(config, encoding="utf-8") as fh:
-                    archs = _json.load(fh).get("architectures")
+                archs = read_config_json(config).get("architectures")  # bounded: never a huge file whole
                 if isinstance(archs, list) and all(isinstance(a, str) for a in archs):
-                    fact["architectures"] = archs[:8]
-            except (OSError, ValueError, AttributeError):
+                    fact["architectures"] = [a[:200] for a in archs[:8]]
+            except (OSError, FileProblem, AttributeError):
                 pass
         return fact
     if os.path.isfile(expanded):

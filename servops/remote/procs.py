@@ -250,34 +250,183 @@ def port_holders(port, pids=None):
     return holders
 
 
+# ---- children with a deadline -----------------------------------------------------------------
+#
+# What a host program runs on the host's behalf (nvidia-smi, patch(1), an import of the engine in
+# a proof) can hang: a driver call, a FIFO where a file should be, an import that waits forever.
+# Each such child gets a deadline and a process group of its own, and is ended with that whole
+# group (SIGKILL) at the deadline: a grandchild holding the child's pipes open would otherwise
+# keep the host program waiting past any timeout of its own.
+
+SMI_DEADLINE = 20  # seconds for one nvidia-smi query
+
+
+class DeadlineExceeded(Exception):
+    """A child ran past its deadline; it was ended with its process group."""
+
+
+class ControllerGone(SystemExit):
+    """The controller that reads this program's reply is gone (its SSH channel closed, a Ctrl-C):
+    the children were ended and the program exits (a SystemExit: `finally` blocks still clean up)."""
+
+
+def end_group(pgid):
+    """SIGKILL every process of group `pgid` (its leader not yet reaped, so the id is not reused)."""
+    import signal as _signal
+    try:
+        _os.killpg(pgid, _signal.SIGKILL)
+    except OSError:
+        pass  # already empty
+
+
+def _controller_gone():
+    """Whether this program's stdout, its reply channel, was closed by the reader (sshd, once the
+    controller is gone): the write end of a pipe or socket then polls as an error or hang-up."""
+    import select as _select
+    poller = _select.poll()
+    poller.register(1, _select.POLLERR | _select.POLLHUP)
+    return any(ev & (_select.POLLERR | _select.POLLHUP) for _fd, ev in poller.poll(0))
+
+
+def run_command_with_deadline(argv, deadline_s, stdin=None, env=None, cwd=None):
+    """(returncode, stdout bytes, stderr bytes) of `argv` run in a session of its own; past
+    `deadline_s` seconds the whole session's group is killed and DeadlineExceeded raised."""
+    import subprocess as _subprocess
+    proc = _subprocess.Popen(argv, stdin=_subprocess.PIPE if stdin is not None else _subprocess.DEVNULL,
+                             stdout=_subprocess.PIPE, stderr=_subprocess.PIPE, env=env, cwd=cwd,
+                             start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=deadline_s)
+    except _subprocess.TimeoutExpired:
+        end_group(proc.pid)
+        try:
+            proc.communicate(timeout=5)
+        except _subprocess.TimeoutExpired:  # its pipes held by something that left the group
+            proc.kill()
+        raise DeadlineExceeded("%s did not finish within %.0fs: ended with its process group"
+                               % (_os.path.basename(argv[0]), deadline_s)) from None
+    return proc.returncode, out, err
+
+
+def run_child_with_deadline(fn, deadline_s, what="the child", cap=16 << 20):
+    """fn() in a forked child leading a process group of its own; its JSON answer (a dict, at most
+    `cap` bytes), or {"result": "timeout"|"error", "message"} when it ran past `deadline_s`
+    seconds or ended without one. The child's whole group is killed when it is done, at the
+    deadline, or when the controller goes away (then ControllerGone is raised here): nothing it
+    started outlives it. The child's stdout goes to stderr, so nothing it prints mixes with the
+    program's reply."""
+    import select as _select
+    import time as _time
+    read_end, write_end = _os.pipe()
+    pid = _os.fork()
+    if pid == 0:  # the child: answer on the pipe, never return into the caller's code
+        code = 0
+        try:
+            _os.setpgid(0, 0)
+            _os.close(read_end)
+            _os.dup2(2, 1)
+            try:
+                answer = fn()
+            except BaseException as exc:  # noqa: BLE001 - the child's answer, whatever happened
+                answer = {"result": "error", "error_type": type(exc).__name__, "message": str(exc)[:500]}
+            data = _json.dumps(answer).encode()
+            view = memoryview(data)
+            while view:
+                view = view[_os.write(write_end, view):]
+        except BaseException:  # noqa: BLE001 - not even an answer could be written
+            code = 1
+        finally:
+            _os._exit(code)
+    _os.close(write_end)
+    try:
+        _os.setpgid(pid, pid)  # also here: the group exists before the deadline can need it
+    except OSError:
+        pass
+    _os.set_blocking(read_end, False)
+    deadline = _time.monotonic() + deadline_s
+    chunks, size, outcome, exited = [], 0, None, False
+    try:
+        while outcome is None:
+            left = deadline - _time.monotonic()
+            if left <= 0:
+                outcome = {"result": "timeout", "message": "%s did not finish within %.0fs: ended with its process "
+                           "group" % (what, deadline_s)}
+                break
+            if exited or _select.select([read_end], [], [], min(left, 0.5))[0]:
+                try:
+                    chunk = _os.read(read_end, 1 << 16)
+                except BlockingIOError:
+                    if exited:  # all the exited child wrote is read: a grandchild that inherited the
+                        break   # pipe (a forked worker) must not hold the answer back until the deadline
+                    continue
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > cap:
+                    outcome = {"result": "error", "message": "%s answered more than %d bytes: ended" % (what, cap)}
+                    break
+                chunks.append(chunk)
+            elif _controller_gone():
+                raise ControllerGone(1)
+            else:  # exited, not yet reaped (WNOWAIT): its pid and group id cannot be reused before end_group
+                exited = _os.waitid(_os.P_PID, pid, _os.WEXITED | _os.WNOHANG | _os.WNOWAIT) is not None
+    finally:
+        end_group(pid)
+        _os.close(read_end)
+        _, status = _os.waitpid(pid, 0)
+    if outcome is not None:
+        return outcome
+    try:
+        answer = _json.loads(b"".join(chunks))
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        how = ("killed by signal %d" % _os.WTERMSIG(status) if _os.WIFSIGNALED(status)
+               else "exit status %d" % _os.WEXITSTATUS(status))
+        return {"result": "error", "message": "%s ended without an answer (%s)" % (what, how)}
+    return answer
+
+
 def gpu_apps():
-    """[{pid, gpu_uuid, used_mib, name}] of nvidia-smi's compute apps; None where there is no
-    nvidia-smi or it gives no answer."""
+    """{"apps": [{pid, gpu_uuid, used_mib, name}], "skipped": [rows that did not parse]} of
+    nvidia-smi's compute apps, or {"error": why} where nvidia-smi gives no answer (it failed, or
+    hung and was ended at SMI_DEADLINE); None where there is no nvidia-smi."""
     import shutil
-    import subprocess
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory,process_name",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_gpu_apps(out.stdout) if out.returncode == 0 else None
+        code, out, err = run_command_with_deadline([smi, "--query-compute-apps=pid,gpu_uuid,used_memory,process_name",
+                                                    "--format=csv,noheader,nounits"], SMI_DEADLINE)
+    except (OSError, DeadlineExceeded) as exc:
+        return {"error": "nvidia-smi --query-compute-apps: %s" % exc}
+    if code != 0:
+        return {"error": "nvidia-smi --query-compute-apps exited %d: %s" % (
+            code, (err or out).decode("utf-8", "replace").strip()[:200])}
+    apps, skipped = parse_gpu_apps(out.decode("utf-8", "replace"))
+    return {"apps": apps, "skipped": skipped}
 
 
 def parse_gpu_apps(text):
-    """Rows of --query-compute-apps=pid,gpu_uuid,used_memory,process_name (csv, noheader,
-    nounits). The name is the workload's and may hold commas: it is the last column, taken
-    whole. used_mib None where the driver reports none ([N/A], [Insufficient Permissions]);
-    a row without a numeric pid (a header, "No running processes found") is skipped."""
-    apps = []
+    """(apps, skipped) from rows of --query-compute-apps=pid,gpu_uuid,used_memory,process_name
+    (csv, noheader, nounits). The name is the workload's and may hold commas (and any byte: the
+    caller decodes with replacement): it is the last column, taken whole. used_mib None where the
+    driver reports none ([N/A], [Insufficient Permissions]). Lines that are no row (blank, a
+    header, "No running processes found") are passed over; a row whose pid is not a pid is
+    skipped and returned, cut to 120 characters, so the caller can say so."""
+    apps, skipped = [], []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 4 and parts[0].isdigit():
-            try:
-                used = float(parts[2])
-            except ValueError:
-                used = None
-            apps.append({"pid": int(parts[0]), "gpu_uuid": parts[1], "used_mib": used, "name": ",".join(parts[3:])})
-    return apps
+        if len(parts) < 4 or parts[0] == "pid":
+            continue
+        pid = int(parts[0]) if parts[0].isascii() and parts[0].isdigit() else 0
+        if not 0 < pid < 1 << 22:  # Linux's largest pid_max
+            skipped.append(line.strip()[:120])
+            continue
+        try:
+            used = float(parts[2])
+        except ValueError:
+            used = None
+        apps.append({"pid": pid, "gpu_uuid": parts[1], "used_mib": used if used == used and used not in (
+            float("inf"), float("-inf")) else None, "name": ",".join(parts[3:])})
+    return apps, skipped
