@@ -175,7 +175,8 @@ def test_an_audit_killed_midway_leaves_no_audit_server_and_the_next_one_sweeps_i
     while time.time() < deadline and audit_servers():
         time.sleep(0.5)
     assert not audit_servers(), "an audit server outlived its audit"
-    assert all(Path(d).exists() for d in work_dirs)  # the killed program could not clean up ...
+    # the killed program could not clean up its work directory: the next audit on the host does (any
+    # audit: another test's, running beside this one, may get there first)
     benv.pop("SGLANG_DOUBLE_LOAD_TIME")
     run_invoke("audit", "--variant", "fp8pw", inventory=inv, env=benv, timeout=600)
-    assert not [d for d in work_dirs if Path(d).exists()]  # ... the next audit on the host did
+    assert not [d for d in work_dirs if Path(d).exists()]
