@@ -47,9 +47,8 @@ def default_prefill_sizes(max_bs: int = 2048) -> list[int]:
     return [s for s in sizes if s <= max_bs]
 
 
-def prefill_sizes(server_args: dict) -> list[int]:
-    """The sizes the release captures for these server args: --cuda-graph-bs-prefill (or the
-    cuda_graph_config JSON's prefill bs), else the defaults up to the prefill max."""
+def cuda_graph_config(server_args: dict) -> dict:
+    """--cuda-graph-config (sglang 0.5.14+: per-phase settings as JSON), parsed; {} where absent or bad."""
     import json
     cfg = server_args.get("cuda_graph_config")
     if isinstance(cfg, str):
@@ -57,12 +56,18 @@ def prefill_sizes(server_args: dict) -> list[int]:
             cfg = json.loads(cfg)
         except ValueError:
             cfg = None
-    prefill = (cfg or {}).get("prefill") if isinstance(cfg, dict) else None
-    sizes = (prefill or {}).get("bs") if isinstance(prefill, dict) else None
-    sizes = sizes or server_args.get("cuda_graph_bs_prefill")
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def prefill_sizes(server_args: dict) -> list[int]:
+    """The sizes the release captures for these server args: --cuda-graph-bs-prefill (or the
+    cuda_graph_config JSON's prefill bs), else the defaults up to the prefill max."""
+    prefill = cuda_graph_config(server_args).get("prefill")
+    prefill = prefill if isinstance(prefill, dict) else {}
+    sizes = prefill.get("bs") or server_args.get("cuda_graph_bs_prefill")
     if sizes:
         return sorted({int(s) for s in sizes})
-    max_bs = server_args.get("cuda_graph_max_bs_prefill") or (prefill or {}).get("max_bs") or 2048
+    max_bs = server_args.get("cuda_graph_max_bs_prefill") or prefill.get("max_bs") or 2048
     chunked = server_args.get("chunked_prefill_size")
     if chunked and int(chunked) > 0:
         max_bs = min(int(max_bs), int(chunked))

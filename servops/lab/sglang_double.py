@@ -156,13 +156,8 @@ def _compiles_piecewise(d: dict) -> bool:
         backend = d.get("cuda_graph_backend_prefill")
         if d.get("disable_prefill_cuda_graph") and backend is None:
             backend = "disabled"
-        cfg = d.get("cuda_graph_config")
-        if isinstance(cfg, str):
-            try:
-                cfg = json.loads(cfg)
-            except ValueError:
-                cfg = None
-        if isinstance(cfg, dict) and isinstance(cfg.get("prefill"), dict) and cfg["prefill"].get("backend"):
+        cfg = piecewise_model.cuda_graph_config(d)
+        if isinstance(cfg.get("prefill"), dict) and cfg["prefill"].get("backend"):
             backend = cfg["prefill"]["backend"]
         return backend == "tc_piecewise"
     if "disable_piecewise_cuda_graph" in d and "enforce_piecewise_cuda_graph" in d:
