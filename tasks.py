@@ -400,8 +400,10 @@ def check(c, variant, json=False, verbose=False, hosts=None, inventory=None):
                     "json": "Print JSON for machines."},
               bounds={"rounds": (1, 20), "tolerance": (0, 10)})
 def audit(c, variant, fix=False, rounds=4, tolerance=0.02, json=False, hosts=None, inventory=None):
-    """Audit the compiled region before a restart: the engine's own compile and capture pass for the
-    variant's resolved flags and ALL its prefill capture sizes, on a shrunk copy of the host's model
+    """Find every dynamo break of a variant's compiled region before the restart; --fix writes the fixes.
+
+    The engine's own compile and capture pass for the variant's resolved flags and ALL its prefill
+    capture sizes, on a shrunk copy of the host's model
     (same architecture and quantization, the fewest layers that keep every layer kind, dummy weights),
     in a child server beside the serving one. Reports each dynamo break (reason, frames, the boundary
     call) and whether a stored patch covers it; --fix writes and proves the fixes. Nothing on the
