@@ -1,8 +1,11 @@
 #!/bin/bash
 # Issue #46 on the GPU kit's host (../shared/gpu-sglang: after device_setup.sh and `device_servops.sh sshd`),
 # from the project's checkout there (/tmp/src/servops). One call, steps in order (any subset):
-#   bash bench/gpu_piecewise_8b.sh model phases downtime short long table
+#   bash bench/gpu_piecewise_8b.sh model fix phases downtime short long table
 #   model     the Llama-3.1-8B-shaped block-FP8 checkpoint, made here (servops/lab/modelgen.py; <2 min)
+#   fix       invoke audit --fix on llama8b-pw: on 0.5.17 its default prefill sizes (32 tokens and up) meet
+#             sglang's kernel loader inside the compiled region; the audit writes, proves and stores the
+#             custom-op patch that the -pw trials' deploys then take (run it before downtime/short/long)
 #   phases    deploy llama8b (its first start: cold JIT/compile caches), restart twice, status, history:
 #             the start-up split into weights / JIT / compile / capture / other (issue #46.3)
 #   downtime  bench/jit_downtime.py: a deploy of llama8b-pw (piecewise: new compile kernels, pre-built
@@ -40,6 +43,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # shorter copies of the two campaigns, under the
 fi
 for step in "$@"; do case $step in
   model) run $PY -m servops.lab.modelgen "$MODEL" --shape llama3-8b --dtype fp8;;
+  fix) run $PY -m invoke audit --fix --variant llama8b-pw -H $H;;
   phases) run $PY -m invoke deploy --variant llama8b -H $H; run $PY -m invoke restart -H $H; run $PY -m invoke restart -H $H
           run $PY -m invoke status -H $H; run $PY -m invoke history -H $H; run $PY -m invoke check --variant llama8b-pw -H $H;;
   downtime) run $PY bench/jit_downtime.py -I inventory/gpu-8b.yml -H $H --base llama8b --new llama8b-pw;;
