@@ -35,7 +35,6 @@ import yaml
 
 from . import engines, patchstore, synth
 from .errors import ServopsError
-from .launchcheck import engine_version
 from .patchstore import Patch
 from .provenance import operator
 from .releases import deploy_root
@@ -162,22 +161,24 @@ def covering(brk: dict, store: list[Patch], already: list[str]) -> list[Patch]:
 
 # ---- the audit server's launch -------------------------------------------------------------------------
 
-def _norm_flag(key: str) -> str:
+def flag_name(key: str) -> str:
+    """A server arg's key as a flag name: `--tp_size`, `tp-size` -> `tp-size`."""
     return key.lstrip("-").replace("_", "-")
 
 
 def audit_argv(engine: engines.Engine, launch: Launch, overrides: dict) -> list[str]:
     """The release's launch argv with the audit's overrides (model, port, host, dummy load, memory)
     replacing the variant's own values of those flags."""
-    drop = {_norm_flag(k) for k in overrides}
-    args = {k: v for k, v in launch.args.items() if _norm_flag(k) not in drop}
+    drop = {flag_name(k) for k in overrides}
+    args = {k: v for k, v in launch.args.items() if flag_name(k) not in drop}
     args.update(overrides)
     return server_argv(args)
 
 
-def audit_launch(hs: HostSession, engine: engines.Engine, launch: Launch, *, eager: dict | None = None,
-                 mem_fraction: float | None = None) -> dict:
-    overrides = engine.audit_args(MODEL, PORT, mem_fraction or float(hs.host.get("audit_mem_fraction") or 0.05))
+def audit_launch(hs: HostSession, engine: engines.Engine, launch: Launch, *, eager: dict | None = None) -> dict:
+    """The audit server's launch: the release's own, with the audit's overrides (and, for the eager
+    reference, the release's flags that turn the prefill graph off)."""
+    overrides = engine.audit_args(MODEL, PORT, float(hs.host.get("audit_mem_fraction") or 0.05))
     overrides.update(eager or {})
     return {"module": engine.server_module(hs.host), "argv": audit_argv(engine, launch, overrides),
             "env": dict(launch.env, **launch.secret_env), "health": engine.health.get("endpoint", "/health")}
@@ -377,7 +378,7 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
             if unproven:
                 if not prove(plan, files, compare, patches, unproven, res, tolerance, outcome, say):
                     return outcome
-                outcome.written = write_to_store(unproven, outcome.rounds)
+                outcome.written = write_to_store(unproven)
             outcome.verdict = "fixed" if added else "clean"
             outcome.added = added
             return outcome
@@ -460,7 +461,7 @@ def prove(plan: Plan, files: dict[str, str], compare: dict, patches: list[Patch]
     return True
 
 
-def write_to_store(patches: list[Patch], rounds: list[Round], root: Path | None = None) -> list[str]:
+def write_to_store(patches: list[Patch], root: Path | None = None) -> list[str]:
     """Proven synthesised patches into the patch store (patches/<dist>/): servops' cache of fixes."""
     root = root or patchstore.PATCH_ROOT
     names = []
@@ -501,4 +502,4 @@ def dump(outcome: Outcome, path: Path) -> None:
     path.write_text(json.dumps(outcome_json(outcome), indent=1))
 
 
-__all__ = ["Plan", "Outcome", "audit_and_fix", "analyse", "covering", "describe", "engine_version"]
+__all__ = ["Plan", "Outcome", "audit_and_fix", "analyse", "covering", "describe"]

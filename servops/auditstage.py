@@ -30,10 +30,7 @@ class AuditRefused(ServopsError):
 
 
 def _flag(args: dict, name: str):
-    for key, value in args.items():
-        if key.lstrip("-").replace("_", "-") == name:
-            return value
-    return None
+    return next((value for key, value in args.items() if audit.flag_name(key) == name), None)
 
 
 def launch_compiles(engine: engines.Engine, args: dict, version: str | None) -> bool:
@@ -42,7 +39,7 @@ def launch_compiles(engine: engines.Engine, args: dict, version: str | None) -> 
         got = _flag(args, flag)
         if got is not None and got is not False and (got == value or str(value) in str(got)):
             return True
-    by_default = engine._by_version(engine.compiles_by_default, version)
+    by_default = engine.by_version(engine.compiles_by_default, version)
     return by_default is not None and not _flag(args, by_default)
 
 

@@ -42,7 +42,8 @@ class Engine:
         fill = {"{model}": model, "{port}": port, "{mem}": f"{mem_fraction:g}"}
         return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in self.audit_overrides.items()}
 
-    def _by_version(self, rules, version: str | None):
+    def by_version(self, rules, version: str | None):
+        """The value of the first (version specifier, value) rule the version meets (None: none)."""
         from packaging.specifiers import SpecifierSet
         from packaging.version import InvalidVersion, Version
         try:
@@ -55,12 +56,12 @@ class Engine:
         return None
 
     def eager_prefill_args(self, version: str | None) -> dict:
-        return dict(self._by_version(self.prefill_eager, version) or {})
+        return dict(self.by_version(self.prefill_eager, version) or {})
 
     def workaround(self, version: str | None) -> str:
         """The flag that keeps the compiled graph out of dynamo on this release; every release's
         where the version is unknown."""
-        found = self._by_version(self.workarounds, version)
+        found = self.by_version(self.workarounds, version)
         if found:
             return found
         if len(self.workarounds) == 1 or version is None and self.workarounds:
