@@ -4,7 +4,6 @@ import base64
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from servops.bench import load_result
 from servops.lab.sshd import free_port
-from conftest import playbooks_with, run_invoke
+from conftest import playbooks_with, run_invoke, wait_for
 
 
 
@@ -202,12 +201,13 @@ def test_push_to_a_real_pushgateway(bench_lab, tmp_path):
                                       timeout=5).read().decode()
     try:
         url = f"http://ops:{password}@127.0.0.1:{port}"
-        for _ in range(100):
+        def up() -> bool:
             try:
-                scrape()
-                break
+                return bool(scrape() or True)
             except OSError:
-                time.sleep(0.1)
+                return False
+
+        wait_for(up, what="the pushgateway answering")
         with pytest.raises(urllib.error.HTTPError):  # the gateway really refuses a push without credentials
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
         res = run_invoke("deploy", "--variant", "baseline", "--push", url, inventory=inv, env=env)
