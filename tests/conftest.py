@@ -51,8 +51,8 @@ if WORKERS > 1 or SLOT:  # 20000-29999 in slices of 312 (8 workers x 4 slots); 3
 # slot too, since every suite on the machine shares the test cache they live in.
 COPY_ID = f"slot{SLOT}-{WORKER}"
 # The slot's run directory: everything a run leaves on this machine outside the test cache lives
-# under it -- pytest's temporary directories (deploy roots, lab homes, sshd configs: pyproject's
-# basetemp is set below), the agents' and results' directories, the PostgreSQL server's -- and
+# under it -- pytest's temporary directories (deploy roots, lab homes, sshd configs: its basetemp
+# is set in pytest_configure), the agents' and results' directories, the PostgreSQL server's -- and
 # every process the tests start names it (on its command line, as its working directory, or in
 # its environment). A run killed halfway leaves them there, and the next run of the slot ends
 # and removes them before it starts (tests/leftovers.py). 0755: PostgreSQL runs as its own user.

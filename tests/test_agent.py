@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import LOADED, REPO, agent_pids, append_until_followed, end_agents, run_invoke, wait_for
+from conftest import LOADED, REPO, RUN_DIR, agent_pids, append_until_followed, end_agents, run_invoke, wait_for
 from servops.lab.tcpproxy import TcpProxy
 
 CPP_EXT = "flashinfer/jit/cpp_ext.py"
@@ -33,7 +33,7 @@ FAKE_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGZ0ZXN0a2V5ZmFrZWtleWZha2VrZXlm
 @pytest.fixture
 def agents():
     """A private agent directory, persistence on, for this test's CLI runs; its agents end with it."""
-    directory = tempfile.mkdtemp(prefix="servops-agents-")  # short: a socket path holds ~100 bytes
+    directory = tempfile.mkdtemp(prefix="agents-", dir=RUN_DIR)  # short: a socket path holds ~100 bytes
     yield SimpleNamespace(dir=directory, env={"SERVOPS_AGENT_DIR": directory, "SERVOPS_PERSIST": "2m"})
     end_agents(directory)
     shutil.rmtree(directory, ignore_errors=True)

@@ -222,6 +222,7 @@ def test_random_ids_exact_lengths_and_flush_refused(double):
     assert flush["requested"] and not flush["ok"] and flush["status"] == 400
     result = finish({"runs": [run_summary(lines[0])], "warnings": []}, [2])
     assert any("refused /flush_cache" in w for w in result["warnings"])
+    d.proc.kill()  # the long request has served its purpose (a graceful stop would wait it out)
 
 
 def test_the_double_batches_and_queues_by_its_server_args(double):

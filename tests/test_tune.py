@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import REPO, RUN_DIR, playbooks_with, run_invoke
 from servops.lab.sshd import free_port
 
 TBASE = """extends: baseline
@@ -490,7 +490,7 @@ def postgres():
     if not bins:
         pytest.fail("no PostgreSQL server binaries: run scripts/setup.sh (it installs postgresql)")
     bin_dir = Path(bins[-1])
-    root = Path(tempfile.mkdtemp(prefix="servops-pg-"))
+    root = Path(tempfile.mkdtemp(prefix="pg-", dir=RUN_DIR))  # (a killed run's server: ended by the next run)
     data = root / "data"
     as_user: list[str] = []
     if os.geteuid() == 0:  # initdb refuses root: run the server as Debian's postgres user
