@@ -141,3 +141,21 @@ time.sleep(600)
         holder.wait()
     time.sleep(0.1)
     assert leftovers.claim_slot(run_dir, 9)  # its holder died: the kernel let go of the lock
+
+
+def test_a_torn_vllm_compile_index_is_dropped_and_a_whole_one_kept(tmp_path):
+    """vLLM writes its compile cache's index in place: one a killed server left half-written would
+    fail the next start with a SyntaxError; it is dropped (that graph compiles again)."""
+    ranks = tmp_path / "cache" / "vllm-compile" / "vllm-cpu-x" / "vllm" / "torch_compile_cache" / "abc"
+    whole, torn = ranks / "rank_0_0" / "backbone", ranks / "rank_0_1" / "backbone"
+    for d in (whole, torn):
+        d.mkdir(parents=True)
+        (d / "computation_graph.py").write_text("# the graph\n")
+    (whole / "vllm_compile_cache.py").write_text("{((1, 8), 0, 'inductor'): ('key', 'path')}")
+    (torn / "vllm_compile_cache.py").write_text("{((1, 8), 0, 'induc")
+    res = subprocess.run([sys.executable, "-c", "from pathlib import Path\nfrom servops.lab import vllmlab\n"
+                          "print(vllmlab.compile_cache(Path('/v/vllm-cpu-x')))"],
+                         env=dict(os.environ, SERVOPS_TEST_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == str(tmp_path / "cache" / "vllm-compile" / "vllm-cpu-x")
+    assert (whole / "vllm_compile_cache.py").exists() and not torn.exists()

