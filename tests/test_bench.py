@@ -41,7 +41,7 @@ def test_bench_numbers_match_the_configured_double(bench_lab):
     inv, books, env, results = bench_lab
     variant(books, "paced", "extends: baseline\nenv: {SGLANG_DOUBLE_TOKEN_DELAY: '0.02', SGLANG_DOUBLE_TTFT: '0.05'}\n")
     assert run_invoke("deploy", "--variant", "paced", inventory=inv, env=env).returncode == 0
-    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", "--slo", "ttft:500,tpot:15",
+    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", "--slo", "ttft:500,tpot:10",
                      inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "TPOT p50 ms" in res.stdout and "goodput" in res.stdout and "counted in words" in res.stdout
@@ -53,10 +53,12 @@ def test_bench_numbers_match_the_configured_double(bench_lab):
     for level in data["levels"]:
         assert level["completed"] == 8 and level["output_tokens"] == 80 and level["failed"] == 0
         assert 17.0 <= level["itl_p50"] <= 30.0, level      # 20 ms per token
-        assert 17.0 <= level["tpot_p50"] <= 30.0, level
         assert 45.0 <= level["ttft_p50"] <= 85.0, level     # 50 ms to first token
         assert 200.0 <= level["e2e_p50"] <= 330.0, level    # e2e ~= ttft + 9 * itl
-        assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 15
+        # TPOT is e2e less TTFT over the 9 later tokens: a first token read late (the client descheduled
+        # on a loaded machine: seen, 15 ms) moves time from TPOT to TTFT, so its interval is what those allow
+        assert (200.0 - 85.0) / 9 <= level["tpot_p50"] <= (330.0 - 45.0) / 9, level
+        assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 10
         assert level["server"]["requests"] == 8             # the server's own count for the level
     # the default warm-up: waves at each level's concurrency until their TTFT settled
     for level in data["levels"]:
