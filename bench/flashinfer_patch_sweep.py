@@ -15,7 +15,8 @@ Archives (wheels; sdists for releases with no wheel) are cached under
 ~/.cache/servops-tests/flashinfer-src/dl/ (the tests' wheel cache, ~/.cache/servops-tests/wheels,
 is read too). Only flashinfer/jit/cpp_ext.py and the patch's files are unpacked, into
 ~/.cache/servops-tests/flashinfer-src/<version>/, with what a scan of the whole package found
-recorded in its .complete marker; a complete tree is enough without its archive.
+recorded in its .complete marker, written last under the cache's lock (a tree without it is a
+killed run's, unpacked again); a complete tree is enough without its archive.
 tests/test_flashinfer_release_sweep.py asserts the verdicts.
 """
 
@@ -42,6 +43,7 @@ if str(REPO) not in sys.path:
 
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
+from servops.lab import venvs  # noqa: E402
 from servops.lab.venvs import CACHE, venv_key  # noqa: E402
 from servops.patchstore import find_patch  # noqa: E402
 
@@ -81,9 +83,9 @@ def ensure_archive(version: str) -> Path | None:
         return found
     DL.mkdir(parents=True, exist_ok=True)
     spec = f"{DIST}=={version}"
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                        "-d", str(DL), spec], capture_output=True, text=True)
-    if r.returncode != 0:
+    try:  # the wheel: under the cache's lock, renamed in whole
+        return venvs.cached_wheel(f"flashinfer_python-{version}-*.whl", spec, DL, ("--only-binary", ":all:"))
+    except (subprocess.CalledProcessError, OSError):
         with tempfile.TemporaryDirectory() as scratch:
             r = subprocess.run([sys.executable, "-m", "pip", "download", "-vv", "--no-deps", "--no-build-isolation",
                                 "--no-binary", ":all:", "-d", scratch, spec], capture_output=True, text=True)
@@ -139,12 +141,22 @@ def wanted_files() -> list[str]:
 def release_tree(version: str, download: bool = True) -> Path | None:
     """SRC/<version>: the release's CPP_EXT and the patch's files, plus its scan in .complete."""
     dest = SRC / version
-    marker = dest / ".complete"
+    if _complete(dest):
+        return dest
+    with venvs.BuildLock(f"flashinfer-src-{version}"):  # another test process may be unpacking it
+        return dest if _complete(dest) else _unpack_release(version, dest, download)
+
+
+def _complete(dest: Path) -> bool:
+    try:
+        meta = json.loads((dest / ".complete").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("v") == MARKER_VERSION and set(wanted_files()) <= set(meta["looked_for"])
+
+
+def _unpack_release(version: str, dest: Path, download: bool) -> Path | None:
     want = wanted_files()
-    if marker.exists():
-        meta = json.loads(marker.read_text())
-        if meta.get("v") == MARKER_VERSION and set(want) <= set(meta["looked_for"]):
-            return dest
     archive = ensure_archive(version) if download else archives().get(version)
     if archive is None:
         return None
@@ -167,8 +179,8 @@ def release_tree(version: str, download: bool = True) -> Path | None:
                 if found:
                     scan[rel] = found
     dest.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"v": MARKER_VERSION, "archive": archive.name, "looked_for": want,
-                                  "present": sorted(present), "scan": scan}, indent=1) + "\n")
+    (dest / ".complete").write_text(json.dumps({"v": MARKER_VERSION, "archive": archive.name, "looked_for": want,
+                                                "present": sorted(present), "scan": scan}, indent=1) + "\n")
     if archive.parent == DL:  # the few files kept are all the sweep reads: 74 releases are 850 MB
         archive.unlink(missing_ok=True)
     return dest

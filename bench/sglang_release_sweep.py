@@ -9,7 +9,9 @@ version (their `when:` rules) parsed with it.
 
 Only the modules the static read reaches are unpacked from each wheel (a few files, under
 ~/.cache/servops-tests/sglang-src/<version>/), so the sweep takes seconds once they are there.
-tests/test_sglang_release_sweep.py asserts its verdicts.
+Each tree is unpacked under the cache's lock and marked complete last: a tree without its marker
+(a killed run's) is unpacked again from scratch, never read. tests/test_sglang_release_sweep.py
+asserts its verdicts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -29,6 +32,7 @@ if str(REPO) not in sys.path:
 from packaging.version import Version  # noqa: E402
 
 from servops.inventory import parse_inventory  # noqa: E402
+from servops.lab import venvs  # noqa: E402
 from servops.lab.venvs import CACHE  # noqa: E402
 from servops.playbooks import load_variant, resolve  # noqa: E402
 from servops.remote import sglang_args as sa  # noqa: E402
@@ -57,21 +61,18 @@ def wheel_versions() -> dict[str, Path]:
 
 
 def ensure_wheel(version: str) -> Path | None:
-    """The cached wheel of sglang==version, downloaded once (as servops/lab/venvs.py does)."""
-    found = wheel_versions().get(version)
-    if found is None:
-        download([version])
-        found = wheel_versions().get(version)
-    return found
+    """The cached wheel of sglang==version, downloaded once (servops/lab/venvs.py cached_wheel:
+    under the cache's lock, renamed in whole); None where it cannot be had."""
+    try:
+        return venvs.cached_wheel(f"sglang-{version}-*.whl", f"sglang=={version}",
+                                  pip_args=("--only-binary", ":all:"))
+    except (subprocess.CalledProcessError, OSError):
+        return None
 
 
 def download(versions: list[str]) -> None:
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    have = wheel_versions()
     for v in versions:
-        if v not in have:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                            "-d", str(WHEELS), f"sglang=={v}"], check=False)
+        ensure_wheel(v)
 
 
 class _Recorder:
@@ -104,10 +105,31 @@ def source_tree(version: str, whl: Path | None = None, root: Path = SOURCES) -> 
     # the modules a read reaches depend on the reader: unpack again (only what is new) when it changed
     key = hashlib.sha256(Path(sa.__file__).read_bytes()).hexdigest()[:16]
     whl = whl or wheel_versions().get(version)
-    if marker.exists() and (marker.read_text().strip() == key or whl is None):
-        return pkg  # (without its wheel, a tree unpacked for an earlier reader is what there is)
+
+    def usable() -> bool:  # (without its wheel, a tree unpacked for an earlier reader is what there is)
+        return marker.exists() and (marker.read_text().strip() == key or whl is None)
+
+    if usable():
+        return pkg
     if whl is None:
         raise FileNotFoundError(f"no sglang {version} wheel under {WHEELS} and no unpacked source")
+    with venvs.BuildLock(f"sglang-src-{version}"):  # another test process may be unpacking it
+        if not usable():
+            _unpack(whl, dest)
+            marker.write_text(key + "\n")
+    return pkg
+
+
+def _unpack(whl: Path, dest: Path) -> None:
+    """What the static read of the release reaches, unpacked from its wheel into `dest`: onto a
+    complete tree of an earlier reader (its marker dropped first, so a kill midway leaves no
+    marker), or from scratch where the tree has no marker (a half-unpacked one)."""
+    marker = dest / ".complete"
+    if marker.exists():
+        marker.unlink()
+    else:
+        shutil.rmtree(dest, ignore_errors=True)
+    pkg = dest / "sglang"
     with zipfile.ZipFile(whl) as z:
         members = set(z.namelist())
 
@@ -134,8 +156,6 @@ def source_tree(version: str, whl: Path | None = None, root: Path = SOURCES) -> 
                     pass
             if not any([unpack(m) for m in sorted(rec.names) if m.startswith("sglang")]):
                 break
-    marker.write_text(key + "\n")
-    return pkg
 
 
 def argv_for(variant: str, version: str) -> tuple[list[str], dict]:

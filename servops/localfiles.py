@@ -61,6 +61,20 @@ def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
         raise
 
 
+def replace_link(path: Path, target: Path) -> None:
+    """`path` a symlink to `target`, put in place by one rename: never missing in between (another
+    process reading it meanwhile), nor left half-made by a kill."""
+    if path.is_symlink() and Path(os.readlink(path)) == Path(target):
+        return
+    tmp = Path(tempfile.mktemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp.symlink_to(target)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def create_new(path: Path) -> bool:
     """Create an empty file that did not exist (False if something, a symlink included, is there)."""
     try:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import csv
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servops.lab import venvs as remote_venv
+import leftovers
+from servops.lab import manage, venvs as remote_venv
 from servops.lab.sshd import PORTS_ENV, find_sshd, free_port, keygen, make_server
 from servops.remote.procs import proc_starttime
 
@@ -47,16 +45,28 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER") or "main"
 SLOT = int(os.environ.get("SERVOPS_TEST_SLOT") or 0)
 WORKER_INDEX = (int(WORKER[2:]) if WORKER.startswith("gw") and WORKER[2:].isdigit() else 0) + 8 * SLOT
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-COPY_ID = f"slot{SLOT}-{WORKER}"  # the name of this worker's venv copies (servops/lab/venvs.py worker_copy)
 if WORKERS > 1 or SLOT:  # 20000-29999 in slices of 312 (8 workers x 4 slots); 30000+ stays the lab's server ports
     slice_ = 10000 // 32
     os.environ[PORTS_ENV] = f"{20000 + WORKER_INDEX * slice_}-{20000 + (WORKER_INDEX + 1) * slice_ - 1}"
+# The worker's own copies of the venvs the tests patch (servops/lab/venvs.py worker_copy): per
+# slot too, since every suite on the machine shares the test cache they live in.
+COPY_ID = f"slot{SLOT}-{WORKER}"
+# The slot's run directory: everything a run leaves on this machine outside the test cache lives
+# under it -- pytest's temporary directories (deploy roots, lab homes, sshd configs: its basetemp
+# is set in pytest_configure), the agents' and results' directories, the PostgreSQL server's -- and
+# every process the tests start names it (on its command line, as its working directory, or in
+# its environment). A run killed halfway leaves them there, and the next run of the slot ends
+# and removes them before it starts (tests/leftovers.py). 0755: PostgreSQL runs as its own user.
+RUN_DIR = Path(tempfile.gettempdir()) / f"servops-tests-{os.getuid()}" / f"slot{SLOT}"
+RUN_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+# Files the tests make in $HOME (a deploy root a `~/` path names), named by slot for the same sweep.
+HOME_LEFTOVERS = f".servops-test-slot{SLOT}-"
 # This module runs twice in one process where a test imports it as tests.conftest: the second run
 # keeps the first's directories (the session's cleanup ends the agents of the first).
 if os.environ.get("SERVOPS_TEST_PROCESS") != str(os.getpid()):
     os.environ["SERVOPS_TEST_PROCESS"] = str(os.getpid())
-    os.environ["SERVOPS_RESULTS"] = tempfile.mkdtemp(prefix="servops-results-")  # never the checkout's results/
-    os.environ["SERVOPS_AGENT_DIR"] = tempfile.mkdtemp(prefix="servops-agents-")
+    os.environ["SERVOPS_RESULTS"] = tempfile.mkdtemp(prefix="results-", dir=RUN_DIR)  # never the checkout's results/
+    os.environ["SERVOPS_AGENT_DIR"] = tempfile.mkdtemp(prefix="agents-", dir=RUN_DIR)
 AGENT_DIR = os.environ["SERVOPS_AGENT_DIR"]
 os.environ["SERVOPS_PERSIST"] = os.environ.get("SERVOPS_TEST_PERSIST", "0")
 # A suite started in the background by a non-interactive shell (`pytest &`, nohup in a script)
@@ -92,9 +102,9 @@ def end_agents(directory: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_agent_outlives_the_tests():
-    yield
+def pytest_unconfigure(config):
+    """No agent outlives the tests, in any process of the run (xdist's controller made its
+    directories too)."""
     end_agents(AGENT_DIR)
     shutil.rmtree(AGENT_DIR, ignore_errors=True)
     shutil.rmtree(os.environ["SERVOPS_RESULTS"], ignore_errors=True)
@@ -137,11 +147,29 @@ def xdist_groups_applied(request):
 
 
 def pytest_configure(config):
+    if config.option.basetemp is None:  # (xdist's workers get theirs from the controller)
+        config.option.basetemp = str(RUN_DIR / "pytest")
     config.pluginmanager.register(GroupsApplied(), "servops-groups-applied")
     config.addinivalue_line("markers", "groups_lost: pytest-xdist did not apply its xdist_group (set by conftest)")
     config.addinivalue_line("markers", "quick: needs no lab and no server (set by conftest from the fixtures used)")
     config.addinivalue_line("markers", "lab_home: starts a lab of its own (invoke lab.up) on the one lab venv")
     config.addinivalue_line("markers", "sweep: walks every release of a package from the wheel cache (not quick)")
+
+
+def pytest_sessionstart(session):
+    """Once per run (in xdist's controller, before any worker starts): the slot is this run's,
+    and what a killed earlier run of it left is cleaned."""
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    try:
+        config._servops_slot = leftovers.claim_slot(RUN_DIR, SLOT)
+    except leftovers.SlotTaken as exc:
+        pytest.exit(str(exc), returncode=pytest.ExitCode.USAGE_ERROR)
+    keep = {Path(config.option.basetemp), Path(AGENT_DIR), Path(os.environ["SERVOPS_RESULTS"])}
+    said = leftovers.clean(RUN_DIR, keep, sorted(Path.home().glob(HOME_LEFTOVERS + "*")))
+    if said:
+        config.get_terminal_writer().line(said)
 
 
 def uses_module_fixture(item) -> bool:
@@ -223,14 +251,12 @@ def bench_script(name: str):
     return module
 
 
-def record_hash(path: Path) -> str:
-    digest = hashlib.sha256(path.read_bytes()).digest()
-    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
-
-def record_of(site: Path) -> dict[str, str]:
-    with open(site / "flashinfer_python-0.7.2.post1.dist-info" / "RECORD", newline="") as fh:
-        return {row[0]: row[1] for row in csv.reader(fh) if row and len(row) > 1}
+def own_copy(venv: Path, copy_id: str = COPY_ID) -> Path:
+    """This worker's copy of a cached venv, as built: a copy a killed run left patched (files,
+    servops' patch state) is repaired first (servops/lab/venvs.py repair)."""
+    copy = remote_venv.worker_copy(venv, copy_id)
+    remote_venv.repair(copy)
+    return copy
 
 
 @pytest.fixture(scope="session")
@@ -241,15 +267,11 @@ def ssh_client_key(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def remote_env() -> dict:
-    """This worker's copy of the cached real venv; its watched files are checked against RECORD
-    before use."""
-    venv = remote_venv.worker_copy(remote_venv.build_venv(), COPY_ID)
+    """This worker's copy of the cached real venv, as built."""
+    venv = own_copy(remote_venv.build_venv())
     site = remote_venv.site_packages(venv)
-    record = record_of(site)
-    if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
-        remote_venv.install_flashinfer(venv)
     pristine = {rel: (site / rel).read_bytes() for rel in WATCHED}
-    return {"venv": venv, "site": site, "pristine": pristine, "record": record}
+    return {"venv": venv, "site": site, "pristine": pristine}
 
 
 @pytest.fixture
@@ -397,6 +419,41 @@ def invoke_cli():
     return run_invoke
 
 
+def newcomer_home(tmp_path: Path, lab_venv: bool = True) -> tuple[Path, dict]:
+    """A newcomer's fresh HOME (tmp_path/home) for a lab of the shipped inventory, and the
+    environment `invoke` runs in there: the lab's home is that HOME's ~/.servops-lab (what the
+    inventory's paths name), whatever $SERVOPS_LAB_HOME the suite itself runs with. lab_venv: the
+    lab's venv is this worker's own copy of the lab's release venv (its deploys patch it), built
+    here, so the lab.up under test times no cache build and patches no venv another suite uses."""
+    home = tmp_path / "home"
+    lab_home = home / ".servops-lab"
+    lab_home.mkdir(parents=True, mode=0o700)
+    if lab_venv:
+        (lab_home / "venv").symlink_to(own_copy(remote_venv.build_sglang_venv(manage.LAB_SGLANG)))
+    return home, {"HOME": str(home), "SERVOPS_LAB_HOME": str(lab_home), "SERVOPS_TEST_CACHE": str(remote_venv.CACHE)}
+
+
+# A wait for an event has a deadline sized for a loaded machine (a second run beside other work,
+# load ~7 on 2 cores, took 5-10x a quiet run's time for a process to start): the wait ends when the
+# event happens, so a generous deadline costs a quiet run nothing, and a short one fails a busy run.
+LOADED = 120.0
+
+
+def wait_for(predicate, timeout: float = LOADED, what: str | None = None, step: float = 0.1):
+    """`predicate`'s first true value, polled until `timeout` seconds. Past the deadline: an
+    AssertionError naming `what` (and the predicate's last value), or, without `what`, False for
+    the caller to judge."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            break
+        time.sleep(step)
+    if not value and what is not None:
+        raise AssertionError(f"{what}: not after {timeout:g} s (last: {value!r})")
+    return value
+
+
 def playbooks_with(tmp_path: Path, **variants: str) -> Path:
     """A copy of playbooks/ plus test variants (name -> YAML text); point SERVOPS_PLAYBOOKS at it."""
     books = tmp_path / "books"
@@ -417,18 +474,9 @@ def sglang_venvs():
 
     def get(version: str) -> dict:
         if version not in built:
-            venv = remote_venv.worker_copy(remote_venv.build_sglang_venv(version), COPY_ID)
+            venv = own_copy(remote_venv.build_sglang_venv(version))
             site = remote_venv.site_packages(venv)
-            record = record_of(site)
-            if any(record_hash(site / rel) != record[rel] for rel in WATCHED):
-                remote_venv.install_flashinfer(venv)
-            # sglang's files are in sglang's own RECORD (flashinfer's has none of them)
-            with open(next(site.glob("sglang-*.dist-info")) / "RECORD", newline="") as fh:
-                sglang_record = {row[0]: row[1] for row in csv.reader(fh) if row and len(row) > 1}
-            if any(record_hash(site / rel) != sglang_record[rel] for rel in SGLANG_WATCHED if rel in sglang_record):
-                raise RuntimeError(f"{venv}: sglang's {SGLANG_WATCHED} drifted from RECORD (an interrupted "
-                                   f"run?): remove the venv; it is rebuilt on next use")
-            watched = WATCHED + [rel for rel in SGLANG_WATCHED if rel in sglang_record]
+            watched = WATCHED + [rel for rel in SGLANG_WATCHED if (site / rel).exists()]
             built[version] = {"venv": venv, "site": site, "real": remote_venv.sglang_real_parser(version),
                               "pristine": {rel: (site / rel).read_bytes() for rel in watched}}
         return built[version]

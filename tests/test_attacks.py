@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, healthy, one_line_error, playbooks_with, root_of, run_invoke
+from conftest import LOADED, REPO, healthy, one_line_error, playbooks_with, root_of, run_invoke, wait_for
 from servops.lab.sshd import free_port
 
 TOKEN = "hf_attackRoundSecret987654"
@@ -293,7 +293,7 @@ def test_a_controller_killed_holding_the_lock_is_repaired_by_the_next_command(al
         proc = subprocess.Popen([sys.executable, "-m", "invoke", "patch.apply", "cuda-version-no-subprocess"], cwd=REPO,
                                 env=dict(os.environ, SERVOPS_INVENTORY=str(inv)), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
+        deadline = time.time() + LOADED
         while time.time() < deadline and not lock.exists() and proc.poll() is None:
             time.sleep(0.005)
         proc.kill()
@@ -435,10 +435,8 @@ def test_a_controller_killed_mid_rollback_leaves_a_running_server(alab):
         time.sleep(0.01)
     proc.kill()
     proc.wait()
-    deadline = time.time() + 60
-    while time.time() < deadline and not (current_release(lab).name == first and healthy(port)):
-        time.sleep(0.3)
-    assert current_release(lab).name == first and healthy(port)
+    wait_for(lambda: current_release(lab).name == first and healthy(port), what="the first release back, healthy",
+             step=0.3)
     res = run_invoke("status", inventory=inv)
     assert res.returncode == 0 and first in res.stdout
     res = run_invoke("stop", "--grace", "2", inventory=inv)

@@ -4,7 +4,6 @@ import base64
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from servops.bench import load_result
 from servops.lab.sshd import free_port
-from conftest import playbooks_with, run_invoke
+from conftest import playbooks_with, run_invoke, wait_for
 
 
 
@@ -42,7 +41,7 @@ def test_bench_numbers_match_the_configured_double(bench_lab):
     inv, books, env, results = bench_lab
     variant(books, "paced", "extends: baseline\nenv: {SGLANG_DOUBLE_TOKEN_DELAY: '0.02', SGLANG_DOUBLE_TTFT: '0.05'}\n")
     assert run_invoke("deploy", "--variant", "paced", inventory=inv, env=env).returncode == 0
-    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", "--slo", "ttft:500,tpot:15",
+    res = run_invoke("bench", "--levels", "1,4", "--requests", "8", "--output-len", "10", "--slo", "ttft:500,tpot:10",
                      inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "TPOT p50 ms" in res.stdout and "goodput" in res.stdout and "counted in words" in res.stdout
@@ -54,10 +53,12 @@ def test_bench_numbers_match_the_configured_double(bench_lab):
     for level in data["levels"]:
         assert level["completed"] == 8 and level["output_tokens"] == 80 and level["failed"] == 0
         assert 17.0 <= level["itl_p50"] <= 30.0, level      # 20 ms per token
-        assert 17.0 <= level["tpot_p50"] <= 30.0, level
         assert 45.0 <= level["ttft_p50"] <= 85.0, level     # 50 ms to first token
         assert 200.0 <= level["e2e_p50"] <= 330.0, level    # e2e ~= ttft + 9 * itl
-        assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 15
+        # TPOT is e2e less TTFT over the 9 later tokens: a first token read late (the client descheduled
+        # on a loaded machine: seen, 15 ms) moves time from TPOT to TTFT, so its interval is what those allow
+        assert (200.0 - 85.0) / 9 <= level["tpot_p50"] <= (330.0 - 45.0) / 9, level
+        assert level["goodput"] == 0.0 and level["slo_attainment_by_metric"] == {"ttft": 1.0, "tpot": 0.0}  # TPOT ~20 > 10
         assert level["server"]["requests"] == 8             # the server's own count for the level
     # the default warm-up: waves at each level's concurrency until their TTFT settled
     for level in data["levels"]:
@@ -202,12 +203,13 @@ def test_push_to_a_real_pushgateway(bench_lab, tmp_path):
                                       timeout=5).read().decode()
     try:
         url = f"http://ops:{password}@127.0.0.1:{port}"
-        for _ in range(100):
+        def up() -> bool:
             try:
-                scrape()
-                break
+                return bool(scrape() or True)
             except OSError:
-                time.sleep(0.1)
+                return False
+
+        wait_for(up, what="the pushgateway answering")
         with pytest.raises(urllib.error.HTTPError):  # the gateway really refuses a push without credentials
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
         res = run_invoke("deploy", "--variant", "baseline", "--push", url, inventory=inv, env=env)

@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
-from conftest import REPO, current, healthy, one_line_error, playbooks_with, root_of, run_invoke, server_pid
+from conftest import (REPO, current, healthy, newcomer_home, one_line_error, playbooks_with, root_of, run_invoke,
+                      server_pid, wait_for)
 from servops.lab import venvs
 from servops.lab.sshd import free_port
 
@@ -239,9 +239,7 @@ def test_5_each_exit_status_comes_from_a_real_scenario(alab, tmp_path, sshd_host
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow", "-H", "lab1"], cwd=REPO,
                             env=dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (current(lab) or "").endswith("-slow"):
-        time.sleep(0.1)
+    wait_for(lambda: (current(lab) or "").endswith("-slow"), what="the slow release current")
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out                                                         # interrupted
@@ -295,9 +293,7 @@ def test_8_another_checkouts_lab_is_refused_and_the_lab_checks_with_a_real_sglan
     hosts["lab1"].update(ssh_port=free_port(), server_port=free_port())
     inv = tmp_path / "lab.yml"
     inv.write_text(yaml.safe_dump(lab, sort_keys=False))
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {"HOME": str(home), "SERVOPS_TEST_CACHE": str(venvs.CACHE)}
+    _home, env = newcomer_home(tmp_path)
     other = tmp_path / "other-checkout"
     subprocess.run(["git", "worktree", "add", "-q", "--detach", str(other)], cwd=REPO, check=True)
     try:

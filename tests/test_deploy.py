@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import yaml
 
 from servops.lab.sshd import free_port
-from conftest import REPO, append_until_followed, playbooks_with, root_of, run_invoke
+from conftest import REPO, append_until_followed, playbooks_with, root_of, run_invoke, wait_for
 
 NAME = "cuda-version-no-subprocess"
 
@@ -196,10 +195,8 @@ def test_killed_mid_deploy_next_deploy_recovers(deploy_lab, tmp_path):
     env = dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books), NO_COLOR="1")
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow", "--force"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60  # until it is in the health gate: its server started, its guard up
-    while time.time() < deadline and not [d for d in (root_of(lab) / "releases").glob("*-slow")
-                                          if (d / "server.log").exists() and (d / "guard.pid").exists()]:
-        time.sleep(0.1)
+    wait_for(lambda: [d for d in (root_of(lab) / "releases").glob("*-slow")  # its server started, its guard up
+                      if (d / "server.log").exists() and (d / "guard.pid").exists()], what="the slow deploy in its gate")
     proc.send_signal(signal.SIGKILL)  # the operator's laptop dies: the SSH connection goes with it
     proc.wait()
     assert (root_of(lab) / "deploy.lock").exists()
@@ -223,10 +220,7 @@ def test_logs_stop_and_status(deploy_lab):
     assert "a line written while following" in out
     # the follower's program on the host goes with its SSH session: nothing left tailing
     port = yaml.safe_load(inv.read_text())["all"]["children"]["lab"]["hosts"]["lab1"]["ssh_port"]
-    deadline = time.time() + 10
-    while time.time() < deadline and remote_programs(port):
-        time.sleep(0.2)
-    assert remote_programs(port) == []
+    wait_for(lambda: not remote_programs(port), what="the follower's host program ended")
     res = run_invoke("stop", "--dry-run", inventory=inv)
     assert res.returncode == 0 and "would stop pid" in res.stdout
     assert health(port_of(inv)) is not None

@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from servops.launchcheck import gpu_user_warnings
 from servops.remote import procs
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 REMOTE = REPO / "servops" / "remote"
 GPU0, GPU1 = "GPU-1c3e4bd2-57a1-8d5e-0f3c-3b2b1a0c9d11", "GPU-7a2f6e93-0d44-4c1e-9b5b-62e1f0a4c722"
@@ -54,14 +53,9 @@ def test_the_csv_and_the_listing_parse_and_odd_rows_are_skipped():
     assert procs.parse_gpu_apps("") == ([], [])
 
 
-def _children(pid: int, within: float = 10.0) -> list[int]:
-    deadline = time.time() + within
-    while time.time() < deadline:
-        kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        if kids:
-            return [int(k) for k in kids]
-        time.sleep(0.05)
-    raise AssertionError(f"pid {pid} started no child")
+def _children(pid: int) -> list[int]:
+    return [int(k) for k in wait_for(lambda: open(f"/proc/{pid}/task/{pid}/children").read().split(),
+                                     what=f"a child of pid {pid}", step=0.05)]
 
 
 def test_the_servers_session_is_ours_another_process_is_not_and_an_unseen_pid_is_unknown():

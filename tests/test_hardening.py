@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MARKER, REPO, current, healthy, one_line_error, playbooks_with, root_of, run_invoke, server_pid
+from conftest import (MARKER, REPO, current, healthy, one_line_error, playbooks_with, root_of, run_invoke, server_pid,
+                      wait_for)
 from servops import remote
 from servops.errors import InventoryError
 from servops.inventory import parse_inventory
@@ -89,10 +90,7 @@ def test_7_stop_and_revert_refuse_while_a_deploy_holds_the_lock(alab, tmp_path):
     deployer = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "slow"], cwd=REPO,
                                 env=dict(os.environ, SERVOPS_INVENTORY=str(inv), **env), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (server_pid(lab) and current(lab) and current(lab).endswith("-slow")):
-        time.sleep(0.2)
-    assert server_pid(lab), "the deploy never started its server"
+    wait_for(lambda: server_pid(lab) and (current(lab) or "").endswith("-slow"), what="the slow deploy's server started")
     res = run_invoke("stop", inventory=inv, env=env)
     assert res.returncode == 2 and "the deploy lock is held by" in res.stderr and "(deploy slow" in res.stderr
     res = run_invoke("patch.revert", "cuda-version-no-subprocess", "--lock-timeout", "0", inventory=inv, env=env)
@@ -215,24 +213,15 @@ def test_12_the_host_guard_rolls_back_when_the_controller_dies(alab, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "crashing", "--force", "--skip-patches"],
                             cwd=REPO, env=dict(os.environ, SERVOPS_INVENTORY=str(inv), SERVOPS_PLAYBOOKS=str(books)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (current(lab) or "").endswith("-crashing"):
-        time.sleep(0.05)
-    assert (current(lab) or "").endswith("-crashing")
+    wait_for(lambda: (current(lab) or "").endswith("-crashing"), what="the crashing release current", step=0.05)
     proc.send_signal(signal.SIGKILL)  # the laptop closes: nobody renews the guard's lease
     proc.wait()
-    deadline = time.time() + 90
-    while time.time() < deadline and not (current(lab) == good and healthy(port)):
-        time.sleep(0.5)
-    assert current(lab) == good and healthy(port), "the guard did not bring the old release back"
+    wait_for(lambda: current(lab) == good and healthy(port), what="the guard bringing the old release back", step=0.5)
     crashed = root_of(lab) / "current" / ".." / [p.name for p in (root_of(lab) / "releases").iterdir()
                                                   if p.name.endswith("-crashing")][0]
     record = json.loads((crashed / "release.json").read_text())
     assert record["status"] == "failed" and "controller lost" in record["failure"]
-    deadline = time.time() + 30
-    while time.time() < deadline and (root_of(lab) / "deploy.lock").exists():
-        time.sleep(0.2)
-    assert not (root_of(lab) / "deploy.lock").exists()
+    wait_for(lambda: not (root_of(lab) / "deploy.lock").exists(), what="the guard releasing the deploy lock")
     res = run_invoke("history", inventory=inv)
     assert res.returncode == 0 and "guard.rollback" in res.stdout and "guard.takeover" in res.stdout
 
@@ -432,15 +421,12 @@ def test_12_a_controller_lost_before_the_restart_leaves_the_old_server_and_undoe
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "deploy", "--variant", "piecewise", "--force"], cwd=REPO,
                             env=dict(os.environ, SERVOPS_INVENTORY=str(inv)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline and '"variant": "piecewise"' not in journal.read_text():
-        time.sleep(0.01)
+    wait_for(lambda: '"variant": "piecewise"' in journal.read_text(), what="the piecewise release in the journal",
+             step=0.01)
     proc.send_signal(signal.SIGKILL)  # the release is prepared and its guard armed; the patch is next
     proc.wait()
     target = remote_env["site"] / CPP_EXT
-    deadline = time.time() + 60
-    while time.time() < deadline and "guard.keep" not in journal.read_text():
-        time.sleep(0.3)
+    wait_for(lambda: "guard.keep" in journal.read_text(), what="the guard keeping the old release", step=0.3)
     assert current(lab) == good and server_pid(lab) == pid and healthy(port)  # the old server never stopped
     assert target.read_bytes() == remote_env["pristine"][CPP_EXT]  # the patch deploy applied is undone
     new = next(p for p in (root_of(lab) / "releases").iterdir() if p.name.endswith("-piecewise"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke
+from conftest import REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke, wait_for
 from servops.remote.jsonl import append_entry, read_entries
 from servops.remote.procs import RELEASE_ENV
 
@@ -107,15 +107,6 @@ def port_free(port: int) -> bool:
         s.close()
 
 
-def wait_for(cond, timeout: float, step: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
-
-
 def journal_actions(lab) -> list[str]:
     entries, _report = read_entries(str(root_of(lab) / "journal.jsonl"))
     return [e.get("action") for e in entries]
@@ -144,11 +135,13 @@ def test_1_stop_ends_every_process_of_the_release(alab, tmp_path, mode):
     res = run_invoke("deploy", "--variant", "tree", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     root = root_of(lab)
-    assert wait_for(lambda: len(processes_of(root)) >= 2, 10), processes_of(root)
+    leader = json.loads((root / "server.pid").read_text())["pid"]
+    # the leader's children up (in leader-dies, the leader may be gone already: the deploy's gate
+    # on a loaded machine can outlast its 2 s)
+    wait_for(lambda: [p for p in processes_of(root) if p != leader], what="the tree's children running")
     if mode == "leader-dies":
-        pid = json.loads((root / "server.pid").read_text())["pid"]
-        assert wait_for(lambda: not Path(f"/proc/{pid}").exists() or
-                        Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 15)
+        wait_for(lambda: not Path(f"/proc/{leader}").exists() or
+                 Path(f"/proc/{leader}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", what="the leader exited")
         assert healthy(port), "the child keeps serving the port"
     before = processes_of(root)
     res = run_invoke("stop", "--grace", "1", inventory=inv, env=env)
@@ -180,7 +173,8 @@ def test_1_deploy_replaces_a_server_whose_schedulers_ignore_sigterm(alab, tmp_pa
     assert run_invoke("deploy", "--variant", "stuck", inventory=inv, env=env).returncode == 0
     root = root_of(lab)
     first = current(lab)
-    assert wait_for(lambda: sum(1 for c in processes_of(root).values() if c.startswith("sglang::")) >= 9, 10)
+    wait_for(lambda: sum(1 for c in processes_of(root).values() if c.startswith("sglang::")) >= 9,
+             what="the double's 8 TP schedulers and its server process")
     res = run_invoke("deploy", "--variant", "baseline", "--force", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SIGKILL" in res.stdout + res.stderr
@@ -203,8 +197,7 @@ def test_2_a_start_killed_midway_never_leaves_an_untracked_server(alab, point):
     res = run_invoke("rollback", inventory=inv, env={"SERVOPS_FAULT": point})
     assert res.returncode != 0
     root = root_of(lab)
-    time.sleep(1.0)
-    assert not processes_of(root), processes_of(root)
+    wait_for(lambda: not processes_of(root), what="every process of the release ended")
     status = run_invoke("status", inventory=inv)
     assert not healthy(port) and "down" in status.stdout, status.stdout
     res = run_invoke("deploy", "--variant", "baseline", "--force", inventory=inv)
@@ -240,8 +233,8 @@ def _lease_lab(lab, port):
     return lab.inventory(host_vars={"lab1": {"server_port": port, "lease_timeout": 5}}, filename="lease.yml")
 
 
-def _wait_current(lab, suffix, timeout=60):
-    assert wait_for(lambda: (current(lab) or "").endswith(suffix), timeout), current(lab)
+def _wait_current(lab, suffix):
+    wait_for(lambda: (current(lab) or "").endswith(suffix), what=f"a {suffix} release current")
 
 
 def test_3_a_backward_clock_step_does_not_disarm_the_guard(alab, tmp_path):
@@ -260,11 +253,11 @@ def test_3_a_backward_clock_step_does_not_disarm_the_guard(alab, tmp_path):
     os.utime(lease, (time.time() + 3600, time.time() + 3600))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab),
-                    90), "the guard did not act"
+    wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab),
+             what="the guard's rollback to the good release")
     actions = journal_actions(lab)
     assert actions.count("guard.takeover") == 1 and actions.count("guard.rollback") == 1
-    assert wait_for(lambda: not (root_of(lab) / "deploy.lock").exists(), 20)
+    wait_for(lambda: not (root_of(lab) / "deploy.lock").exists(), what="the deploy lock released")
 
 
 def test_3_a_forward_clock_step_with_a_live_controller_changes_nothing(alab, tmp_path):
@@ -294,13 +287,14 @@ def test_3_a_frozen_controller_and_the_guard_never_both_act(alab, tmp_path):
     proc = _deploy_in_background(inv, books, "sick")
     _wait_current(lab, "-sick")
     proc.send_signal(signal.SIGSTOP)
-    assert wait_for(lambda: "guard.takeover" in journal_actions(lab), 30)
+    wait_for(lambda: "guard.takeover" in journal_actions(lab), what="the guard's takeover")
     proc.send_signal(signal.SIGCONT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "guard took over" in out, out
-    assert wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab), 60)
-    time.sleep(2)
+    wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab),
+             what="the guard's rollback to the good release")
+    time.sleep(2)  # a second actor, were there one, would act now
     actions = journal_actions(lab)
     assert actions.count("guard.takeover") == 1, actions
     assert actions.count("guard.rollback") == 1 and "rollback" not in actions, actions
@@ -324,12 +318,13 @@ def test_3_a_dead_guard_is_restarted_by_the_next_command(alab, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # the controller's last host program ends before the guard dies, so that `status` is the next command
-    assert wait_for(lambda: not host_commands_in_flight(lab), 30), host_commands_in_flight(lab)
+    wait_for(lambda: not host_commands_in_flight(lab), what="the killed controller's host commands ended")
     os.kill(guard, signal.SIGKILL)
     res = run_invoke("status", inventory=inv)
     assert "never finished" in res.stdout + res.stderr, res.stdout + res.stderr
     assert "guard.restarted" in journal_actions(lab)
-    assert wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab), 90)
+    wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab),
+             what="the restarted guard's rollback to the good release")
     assert json.loads((release / "release.json").read_text())["status"] == "failed"
     res = run_invoke("status", inventory=inv)
     assert "never finished" not in res.stdout + res.stderr
@@ -384,8 +379,8 @@ def test_5_a_patch_revert_during_another_roots_deploy_is_refused(lab, tmp_path):
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         root_a = lab.tmp / "deploy-lab1"
-        assert wait_for(lambda: (root_a / "current").is_symlink() and
-                        os.readlink(root_a / "current").endswith("-slowpw"), 60)
+        wait_for(lambda: (root_a / "current").is_symlink() and os.readlink(root_a / "current").endswith("-slowpw"),
+                 what="lab1's slowpw release current")
         res = run_invoke("patch.revert", "cuda-version-no-subprocess", "-H", "lab2", "--lock-timeout", "1",
                          inventory=inv)
         assert res.returncode != 0, res.stdout + res.stderr

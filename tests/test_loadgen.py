@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from servops import remote
 from servops.bench import finish, load_dataset, run_summary
 from servops.lab.sshd import free_port
@@ -41,12 +42,15 @@ def double(tmp_path):
                                  str(tmp_path / "model"), "--port", str(port), *flags], env=full, stdout=log,
                                 stderr=subprocess.STDOUT)
         procs.append(proc)
-        for _ in range(200):
+
+        def listening() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
+                return True
             except OSError:
-                time.sleep(0.05)
+                return False
+
+        wait_for(listening, what=f"the double listening on {port}", step=0.05)
         return Double(port, proc)
 
     yield start
@@ -196,17 +200,29 @@ def test_random_ids_exact_lengths_and_flush_refused(double):
     import threading
     import urllib.request
 
-    body = json.dumps({"prompt": "x", "max_tokens": 300, "stream": False}).encode()
-    t = threading.Thread(target=lambda: urllib.request.urlopen(urllib.request.Request(
-        f"http://127.0.0.1:{d.port}/v1/completions", body, {"Content-Type": "application/json"}), timeout=30).read())
-    t.start()
-    time.sleep(0.2)
+    body = json.dumps({"prompt": "x", "max_tokens": 3000, "stream": False}).encode()  # 30 s: running at the flush
+
+    def long_request() -> None:  # (ended with the double at the test's end)
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{d.port}/v1/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=120).read()
+        except Exception:  # noqa: BLE001 (the double ended under it: a reset, an incomplete read)
+            pass
+
+    threading.Thread(target=long_request, daemon=True).start()
+
+    def running() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{d.port}/metrics", timeout=10) as r:
+            return any(l.startswith("sglang:num_running_reqs") and float(l.split()[-1]) >= 1
+                       for l in r.read().decode().splitlines())
+
+    wait_for(running, what="the long request running on the double")
     lines, _ = run(d.port, levels=[2], requests=2, output_len=2, flush_cache=True, flush_timeout=0.2)
     flush = lines[0]["servops"]["flush_cache"]
     assert flush["requested"] and not flush["ok"] and flush["status"] == 400
     result = finish({"runs": [run_summary(lines[0])], "warnings": []}, [2])
     assert any("refused /flush_cache" in w for w in result["warnings"])
-    t.join()
+    d.proc.kill()  # the long request has served its purpose (a graceful stop would wait it out)
 
 
 def test_the_double_batches_and_queues_by_its_server_args(double):
@@ -221,9 +237,10 @@ def test_the_double_batches_and_queues_by_its_server_args(double):
         d.proc.terminate()
     assert out["cap32"]["output_throughput"] > 2.0 * out["cap8"]["output_throughput"]  # model: 2.8x
     assert out["cap8"]["median_ttft_ms"] > 3 * out["cap32"]["median_ttft_ms"]
-    # above --cuda-graph-max-bs each step pays the eager factor (1.5)
-    ratio = out["eager"]["median_tpot_ms"] / out["cap32"]["median_tpot_ms"]
-    assert 1.3 <= ratio <= 1.7, ratio
+    # above --cuda-graph-max-bs each step pays the eager factor (1.5): half a step of 32 (10 + 32 x 0.2
+    # ms) more. The difference, not the ratio: a loaded machine adds its delay to every step of both
+    surcharge = out["eager"]["median_tpot_ms"] - out["cap32"]["median_tpot_ms"]
+    assert 0.5 * 8.2 <= surcharge <= 2 * 8.2, surcharge
     assert out["cap8"]["servops"]["server_metrics"]["max_queue"] >= 8
 
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from servops.lab.sshd import free_port
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import LOADED, REPO, playbooks_with, run_invoke, wait_for
 
 RANKS8 = """extends: baseline
 server_args: {enable-metrics-for-all-schedulers: true}
@@ -51,8 +51,14 @@ def test_eight_ranks_report_the_true_values(ranks8):
         text = r.read().decode()
     running = [l for l in text.splitlines() if l.startswith("sglang:num_running_reqs{")]
     assert len(running) == 8 and {f'tp_rank="{i}"' in " ".join(running) for i in range(8)} == {True}
-    threads = busy(port, 5, 80)  # 5 requests, ~4 s each
-    time.sleep(1.0)
+    threads = busy(port, 5, 300)  # 5 requests, ~15 s each: still running when `metrics` reads them on a loaded machine
+
+    def all_running() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return all(float(l.split()[-1]) == 5 for l in r.read().decode().splitlines()
+                       if l.startswith("sglang:num_running_reqs{"))
+
+    wait_for(all_running, what="the 5 requests running on every rank")
     res = run_invoke("metrics", "--json", inventory=inv)
     assert res.returncode == 0, res.stderr
     row = json.loads(res.stdout)[0]
@@ -76,7 +82,7 @@ def test_watch_shows_windowed_quantiles_next_to_the_since_start_ones(ranks8):
     lines = []
     try:
         busy(port, 4, 20)
-        deadline = time.time() + 60
+        deadline = time.time() + LOADED
         while time.time() < deadline and sum("server metrics" in l for l in lines) < 3:
             lines.append(proc.stdout.readline())
     finally:

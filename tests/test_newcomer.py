@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, playbooks_with, run_invoke
-from servops.lab import venvs
+from conftest import HOME_LEFTOVERS, LOADED, REPO, newcomer_home, playbooks_with, run_invoke
 from servops.lab.sshd import free_port
 from servops.progress import cut_words
 from test_cli_help import task_names
@@ -39,9 +38,7 @@ def own_lab(tmp_path):
         vars_["server_port"] = free_port()
     inv = tmp_path / "lab.yml"
     inv.write_text(yaml.safe_dump(lab, sort_keys=False))
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {"HOME": str(home), "SERVOPS_TEST_CACHE": str(venvs.CACHE)}
+    _home, env = newcomer_home(tmp_path)
     yield inv, env, hosts
     run_invoke("lab.down", inventory=inv, env=env)
 
@@ -88,24 +85,24 @@ def test_an_unreachable_lab_host_says_how_to_start_the_lab(own_lab):
 def test_render_prints_byte_for_byte_what_deploy_writes(lab, tmp_path):
     """Even with a home-relative venv and deploy root (~ resolves on the host, not in quotes)."""
     port = free_port()
-    home_venv = Path.home() / f".servops-render-test-{os.getpid()}"
+    home_venv = Path.home() / f"{HOME_LEFTOVERS}render-{os.getpid()}"  # (a killed run's: the next run removes it)
     home_venv.symlink_to(lab.venv)
     try:
         inv = lab.inventory(host_vars={"lab1": {"server_port": port, "venv": f"~/{home_venv.name}",
-                                                "deploy_root": f"~/.servops-render-test-{os.getpid()}-deploy"}})
+                                                "deploy_root": f"~/{home_venv.name}-deploy"}})
         for variant in ("baseline", "piecewise"):
             rendered = run_invoke("render", "--variant", variant, inventory=inv)
             assert rendered.returncode == 0, rendered.stderr
             assert "'~" not in rendered.stdout  # a quoted tilde would never expand
             res = run_invoke("deploy", "--variant", variant, inventory=inv)
             assert res.returncode == 0, res.stdout + res.stderr
-            root = Path.home() / f".servops-render-test-{os.getpid()}-deploy"
+            root = Path.home() / f"{home_venv.name}-deploy"
             deployed = (root / "current" / "launch.sh").read_bytes()
             assert rendered.stdout.encode() == deployed
     finally:
         run_invoke("stop", "--grace", "2", inventory=inv)
         home_venv.unlink()
-        subprocess.run(["rm", "-rf", str(Path.home() / f".servops-render-test-{os.getpid()}-deploy")])
+        subprocess.run(["rm", "-rf", str(Path.home() / f"{home_venv.name}-deploy")])
 
 
 def test_every_verb_takes_H_and_I_with_the_same_help():
@@ -157,7 +154,7 @@ def test_ctrl_c_during_a_deploy_rolls_back_and_says_so(lab, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         out = ""
-        deadline = time.time() + 60
+        deadline = time.time() + LOADED
         while time.time() < deadline and "health" not in out:
             out += proc.stdout.readline()
         time.sleep(1)

@@ -11,8 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO
-from servops.lab import venvs
+from conftest import REPO, newcomer_home
 from servops.lab.sshd import free_port
 
 
@@ -40,10 +39,9 @@ def test_the_readme_runs_as_written(tmp_path):
         vars_["ssh_port"], vars_["server_port"] = free_port(), free_port()
     inventory = tmp_path / "lab.yml"
     inventory.write_text(yaml.safe_dump(lab, sort_keys=False))
-    home = tmp_path / "home"
-    home.mkdir()
-    env = dict(os.environ, HOME=str(home), SERVOPS_INVENTORY=str(inventory), SERVOPS_TEST_CACHE=str(venvs.CACHE),
-               SERVOPS_RESULTS=str(tmp_path / "results"), NO_COLOR="1", COLUMNS="200")
+    _home, lab_env = newcomer_home(tmp_path)
+    env = dict(os.environ, **lab_env, SERVOPS_INVENTORY=str(inventory), SERVOPS_RESULTS=str(tmp_path / "results"),
+               NO_COLOR="1", COLUMNS="200")
     env.pop("VIRTUAL_ENV", None)
     env.pop("SERVOPS_HOSTS", None)  # as a newcomer's shell: every changing verb names its hosts
     script = ["set -u", "cd " + str(REPO)]

@@ -185,7 +185,7 @@ def flashinfer_release(version: str) -> Path:
     root = venvs.CACHE / f"flashinfer-{version}-src"
     # another xdist worker may be unpacking it: one at a time, and whole (a half-unpacked package
     # imports as "partially initialized")
-    with venvs._BuildLock(f"flashinfer-{version}-src"):
+    with venvs.BuildLock(f"flashinfer-{version}-src"):
         if not root.exists():
             wheel = venvs.cached_wheel(f"flashinfer_python-{version}-*.whl", f"flashinfer-python=={version}")
             partial = root.with_name(root.name + ".partial")

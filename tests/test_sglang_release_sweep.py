@@ -161,3 +161,21 @@ def test_the_model_architecture_is_looked_up_in_the_release(tmp_path, version, k
     ns = launch_check_namespace()
     missing = ns["missing_architectures"](str(tmp_path / "sglang"), ["GlmMoeDsaForCausalLM", "LlamaForCausalLM"])
     assert missing == ([] if known else ["GlmMoeDsaForCausalLM"])
+
+
+def test_a_tree_a_killed_run_left_half_unpacked_is_unpacked_again(tmp_path):
+    """A tree without its .complete marker (the run was killed while unpacking: a file half-written,
+    others missing) is unpacked again from scratch, never read as it is."""
+    version = RELEASES[-1]
+    whl = sweep.ensure_wheel(version)
+    if whl is None:
+        pytest.skip(f"no sglang {version} wheel (offline?)")
+    pkg = sweep.source_tree(version, whl, root=tmp_path)
+    whole = {p: p.read_bytes() for p in pkg.rglob("*.py")}
+    args = pkg / "srt" / "server_args.py"
+    args.write_bytes(whole[args][:1000])  # cut off mid-file, as a kill leaves it
+    (pkg.parent / ".complete").unlink()
+    next(p for p in whole if p != args).unlink()
+    again = sweep.source_tree(version, whl, root=tmp_path)
+    assert {p: p.read_bytes() for p in again.rglob("*.py")} == whole
+    assert sweep.check_release(version, again)["error"] is None

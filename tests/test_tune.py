@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import REPO, RUN_DIR, playbooks_with, run_invoke
 from servops.lab.sshd import free_port
 
 TBASE = """extends: baseline
@@ -399,10 +399,14 @@ def test_a_tpe_campaign_samples_the_space_and_leaves_the_best(tune_lab, tmp_path
         start = next(e for e in entries if e.get("trial") == d["trial"] and e["phase"] == "start")
         assert start["spec"]["server_args"]["cuda-graph-max-bs"] == t.params["server_args.cuda-graph-max-bs"]
         assert 4 <= t.params["server_args.cuda-graph-max-bs"] <= 32
-    # the winner (ties within min_gain keep the incumbent) is left deployed, and nothing beats it clearly
+    # the winner (ties within min_gain keep the incumbent) is left deployed, and nothing beats it clearly:
+    # by no more than the campaign's own noise band (the base benched twice: its min_gain), the
+    # interval inside which two trials are a tie -- on a loaded machine wider than a fixed 5%
     winner = re.search(r"winner (\S+), deployed", res.stdout)[1]
     assert current_variant(lab) == f"tpecamp-{winner}" or winner == "base"
-    assert max(e.get("objective") or 0 for e in finished.values()) <= finished[winner]["objective"] * 1.05
+    band = finished["base"]["noise"]["band"]
+    best = max(e.get("objective") or 0 for e in finished.values())
+    assert best <= finished[winner]["objective"] * (1 + band) * (1 + 1e-9), (best, winner, band)
     res = run_invoke("tune.report", "tpecamp", "-H", "lab1", inventory=inv, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     md = (results / "lab1" / "campaigns" / "tpecamp" / "report.md").read_text()
@@ -486,7 +490,7 @@ def postgres():
     if not bins:
         pytest.fail("no PostgreSQL server binaries: run scripts/setup.sh (it installs postgresql)")
     bin_dir = Path(bins[-1])
-    root = Path(tempfile.mkdtemp(prefix="servops-pg-"))
+    root = Path(tempfile.mkdtemp(prefix="pg-", dir=RUN_DIR))  # (a killed run's server: ended by the next run)
     data = root / "data"
     as_user: list[str] = []
     if os.geteuid() == 0:  # initdb refuses root: run the server as Debian's postgres user

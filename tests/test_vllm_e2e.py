@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servops.lab import vllmlab
-from tests.conftest import REPO, one_line_error, playbooks_with, run_invoke
+from servops.lab import venvs, vllmlab
+from tests.conftest import REPO, newcomer_home, one_line_error, playbooks_with, run_invoke, wait_for
 from tests.vllm_lab import vllm_venv  # noqa: F401 (fixture)
 from servops.lab.sshd import free_port
 
@@ -257,10 +257,8 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     # stop: no EngineCore/Worker left, the port free
     res = run_invoke("stop", "--grace", "30", inventory=inv, env=env, timeout=300, merged=True)
     assert res.returncode == 0, res.stdout[-3000:]
-    deadline = time.monotonic() + 20
-    while (vllm_processes(root) or not port_free(port)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert vllm_processes(root) == [] and port_free(port)
+    wait_for(lambda: not vllm_processes(root) and port_free(port), what="no EngineCore/Worker left, the port free",
+             step=0.5)
     print(f"deploy to healthy: {deploy_s:.1f}s")
 
 
@@ -273,14 +271,12 @@ def test_lab_up_starts_the_vllm_host_and_its_launch_checks(tmp_path, vllm_venv):
     host.update(ssh_port=free_port("127.0.0.6"), server_port=free_port("127.0.0.1"))
     inv = tmp_path / "lab-vllm.yml"
     inv.write_text(yaml.safe_dump(lab, sort_keys=False))
-    home = tmp_path / "home"
-    home.mkdir()
-    from servops.lab import venvs
-    env = {"HOME": str(home), "SERVOPS_TEST_CACHE": str(venvs.CACHE)}
+    home, env = newcomer_home(tmp_path, lab_venv=False)
     try:
         res = run_invoke("lab.up", inventory=inv, env=env, timeout=1200)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert (home / ".servops-lab" / "vllm-venv").resolve() == vllm_venv.resolve()
+        # the cache's vLLM venv (the tests' own servers run on this slot's copy of it)
+        assert (home / ".servops-lab" / "vllm-venv").resolve() == venvs.vllm_venv_path().resolve()
         for shape in vllmlab.SHAPES:
             assert (vllmlab.ROOT / shape / "config.json").is_file()
         res = run_invoke("check", "--variant", "vllm-baseline", "-H", "vllm1", inventory=inv, env=env, timeout=300)

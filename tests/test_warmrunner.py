@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 from servops import remote
 from servops.connagent import Frames, frame
 from servops.warmrunner import BOOT
@@ -119,11 +120,15 @@ def test_a_client_that_goes_has_the_program_and_its_children_killed(runner):
     t0 = time.monotonic()
     runner.send("k")
     assert runner.until("x")[-1] == ("x", b"137")  # 128 + SIGKILL
-    assert time.monotonic() - t0 < 5
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
-        assert time.monotonic() < deadline, "the program's child outlived it"
-        time.sleep(0.05)
+    assert time.monotonic() - t0 < 30  # killed, not its 60 s sleep waited out
+
+    def ended() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    wait_for(ended, what="the program's child ended with it", step=0.05)
     assert runner.run("print('next')\n") == (0, "next\n", "")  # the runner itself goes on
 
 

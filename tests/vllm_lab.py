@@ -23,6 +23,7 @@ import pytest
 from servops.lab import venvs, vllmlab
 from servops.lab.vllmlab import compile_cache
 from servops.lab.sshd import free_port
+from tests.conftest import SLOT, own_copy
 
 REPO = Path(__file__).resolve().parent.parent
 TINYMODEL = REPO / "servops" / "lab" / "tinymodel.py"
@@ -131,7 +132,10 @@ def start_server(venv: Path, model: Path, log: Path, *flags: str, port: int | No
 
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
-    return venvs.build_vllm_venv()
+    """This slot's copy of the cached vLLM venv, as built (test_vllm_e2e patches it; a copy a killed
+    run left patched is repaired). One per slot, not per worker (the vLLM tests share one worker):
+    vLLM keys its compile cache by its files' paths, which then stay the same from run to run."""
+    return own_copy(venvs.build_vllm_venv(), f"slot{SLOT}")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """`invoke lab.up` / `lab.down`: the lab of inventory/lab.yml on this machine.
 
 Real sshd servers on the inventory's loopback addresses (keys and known_hosts under
-~/.servops-lab), and the same real venv the tests use (CPU torch + flashinfer-python) linked at
-~/.servops-lab/venv. /tmp/servops-lab-cuda stands in for a CUDA toolkit (its version.json only).
+~/.servops-lab, or $SERVOPS_LAB_HOME), and the same real venv the tests use (CPU torch +
+flashinfer-python + the lab's sglang) linked at ~/.servops-lab/venv. /tmp/servops-lab-cuda stands
+in for a CUDA toolkit (its version.json only). Every file here is written whole (beside its place,
+then renamed in), so a lab.up killed midway leaves nothing half-written for the next one.
 
 The lab keeps its OWN record of each sshd it started (`lab.json`: pid and kernel start time),
 apart from sshd's PidFile, which sshd itself writes and deletes: stopping reads only the lab's
@@ -20,9 +22,10 @@ from pathlib import Path
 
 from ..inventory import Host
 from ..errors import ServopsError
+from ..localfiles import replace_link, write_new
 from ..remote.procs import proc_starttime, release_processes
 from . import venvs
-from .sshd import SshServer, keygen
+from .sshd import SshServer, has_key, keygen
 
 LAB = Path(os.environ.get("SERVOPS_LAB_HOME") or Path.home() / ".servops-lab")
 OWNER = LAB / "checkout.json"  # which checkout's lab is up (its hosts' addresses and ports are fixed)
@@ -77,39 +80,38 @@ def up(hosts: list[Host]) -> list[str]:
     """Start sshd for each lab host that is not already up; returns the addresses started."""
     refuse_other_checkout("lab.up")
     LAB.mkdir(mode=0o700, exist_ok=True)
-    OWNER.write_text(json.dumps({"checkout": CHECKOUT}))
+    write_new(OWNER, json.dumps({"checkout": CHECKOUT}).encode())
     key = LAB / "id_ed25519"
-    if not key.exists():
+    if not has_key(key):
         keygen(key)
     venv = LAB / "venv"
     if any("vllm" not in h.groups for h in hosts):
         wanted = venvs.build_sglang_venv(LAB_SGLANG)
-        if venv.is_symlink() and Path(os.readlink(venv)) != wanted:
-            venv.unlink()  # an older lab's venv (without sglang): the lab's is the release venv
-        if not venv.exists():
-            venv.symlink_to(wanted)
+        # none yet, or an older lab's (without sglang, or another build): the lab's is the release
+        # venv. A link to a copy of it is kept (the tests' labs link their own, which they patch).
+        if not venv.exists() or (venv.is_symlink() and venv.resolve().name != wanted.name):
+            replace_link(venv, wanted)
     if any("vllm" in h.groups for h in hosts):  # a real vLLM lab host (inventory/lab-vllm.yml)
         from . import vllmlab
 
         vllmlab.prepare(LAB)
     CUDA_STANDIN.mkdir(exist_ok=True)
-    (CUDA_STANDIN / "version.json").write_text(CUDA_VERSION_JSON)
+    if _read(CUDA_STANDIN / "version.json") != CUDA_VERSION_JSON:  # (every lab on this machine reads it)
+        write_new(CUDA_STANDIN / "version.json", CUDA_VERSION_JSON.encode(), 0o644)
     known, started = {}, []
     for host in hosts:
         address, port = host.ssh_host, host.ssh_port
         work = _record_path(address, port).parent
         work.mkdir(mode=0o700, exist_ok=True)
-        if not (work / "ssh_host_ed25519_key").exists():
+        if not has_key(work / "ssh_host_ed25519_key"):
             keygen(work / "ssh_host_ed25519_key")
-        (work / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
+        write_new(work / "authorized_keys", key.with_suffix(".pub").read_bytes())
         srv = SshServer(address, port, work, work / "ssh_host_ed25519_key", key, getpass.getuser(), home=Path.home())
         if not _running(work / "lab.json"):
             srv.start()
             pid = srv.proc.pid
-            tmp = work / "lab.json.tmp"
-            tmp.write_text(json.dumps({"pid": pid, "starttime": proc_starttime(pid), "address": address,
-                                       "port": port}))
-            tmp.replace(work / "lab.json")
+            write_new(work / "lab.json", json.dumps({"pid": pid, "starttime": proc_starttime(pid),
+                                                     "address": address, "port": port}).encode())
             srv.proc = None  # keep it running after this process exits
             started.append(f"{address}:{port}")
         known[f"{address}:{port}"] = srv.known_hosts_line
@@ -118,8 +120,15 @@ def up(hosts: list[Host]) -> list[str]:
     for line in (kh.read_text().splitlines(True) if kh.exists() else []):
         addr = line.split(" ", 1)[0].strip("[").replace("]:", ":")
         known.setdefault(addr, line)
-    kh.write_text("".join(known.values()))
+    write_new(kh, "".join(known.values()).encode())
     return started
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _stop_pid(pid: int, starttime: str | None, group: bool = False, grace: float = 10.0) -> bool:

@@ -50,8 +50,19 @@ def free_port(address: str = "0.0.0.0") -> int:
 
 
 def keygen(path: Path, kind: str = "ed25519") -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)], check=True)
+    """A new key pair at `path` and `path`.pub, made beside them and renamed in, the private key
+    last: a run killed midway leaves no key without its .pub (has_key says whether both are there)."""
+    scratch = path.with_name(f".{path.name}.new")
+    for leftover in (scratch, Path(f"{scratch}.pub")):  # a killed keygen's
+        leftover.unlink(missing_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(scratch)], check=True)
+    os.replace(f"{scratch}.pub", f"{path}.pub")
+    os.replace(scratch, path)
     return path
+
+
+def has_key(path: Path) -> bool:
+    return path.is_file() and path.with_name(path.name + ".pub").is_file()
 
 
 @dataclass
@@ -88,7 +99,7 @@ class SshServer:
         )
         self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "sshd.log", "ab"), start_new_session=True)
-        deadline = time.time() + 10
+        deadline = time.time() + 60  # sshd answers in milliseconds, a loaded machine's in seconds
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sshd exited: {(self.workdir / 'sshd.log').read_text()}")

@@ -1,8 +1,11 @@
 """The "remote" Python environment the tests operate on: a real venv with real PyPI packages.
 
-Built once and cached under ~/.cache/servops-tests (wheels too), because torch and the 62 MB
-flashinfer wheel take a minute to install. Tests that edit files restore them afterwards; a
-cached venv whose watched files drifted (an interrupted run) gets flashinfer reinstalled.
+Built once and cached under ~/.cache/servops-tests ($SERVOPS_TEST_CACHE: CI points it at an empty
+directory, so every CI run is a first run), wheels too, because torch and the 62 MB flashinfer
+wheel take a minute to install. Every cached thing is built by build_once: under a lock, by
+whichever test process gets there first, with a ready marker written last, so a half-built one
+(a killed run's) is found and rebuilt, never used. Tests patch only their own copies
+(worker_copy); a copy a killed run left patched is put back by repair().
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,23 +40,32 @@ def wheel_dir() -> Path:
     return d
 
 
-def cached_wheel(pattern: str, requirement: str) -> Path:
-    """The wheel matching `pattern` in the cache's wheels/, downloaded once: under a lock, into a
-    scratch folder and then renamed in, so another worker never globs a half-written wheel."""
-    d = wheel_dir()
-    with _BuildLock("wheels"):
+def cached_wheel(pattern: str, requirement: str, where: Path | None = None, pip_args: tuple[str, ...] = ()) -> Path:
+    """The archive matching `pattern` in `where` (the cache's wheels/), downloaded once: under its
+    own lock (other archives download meanwhile), into a scratch folder and then renamed in, so
+    another worker never globs a half-written one, nor does a killed download leave one."""
+    d = where or wheel_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with BuildLock("download-" + re.sub(r"[^A-Za-z0-9._-]", "_", f"{d.name}-{pattern}")):
         found = sorted(d.glob(pattern))
         if not found:
-            scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=d))
+            for stale in d.glob(".download-*-*"):  # a killed download's scratch (its process is gone)
+                pid = stale.name.split("-")[1]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    shutil.rmtree(stale, ignore_errors=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".download-{os.getpid()}-", dir=d))
             try:
-                _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(scratch), requirement])
-                for wheel in scratch.glob("*.whl"):
-                    wheel.replace(d / wheel.name)
+                res = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *pip_args,
+                                      "-d", str(scratch), requirement], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+                for archive in scratch.iterdir():
+                    archive.replace(d / archive.name)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             found = sorted(d.glob(pattern))
     if not found:
-        raise FileNotFoundError(f"pip download {requirement} gave no wheel matching {pattern}")
+        why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+        raise FileNotFoundError(f"pip download {requirement}: nothing matching {pattern} ({why})")
     return found[0]
 
 
@@ -83,7 +96,7 @@ def build_once(path: Path, lock: str, build, marker: str = ".servops-test-ready"
     ready = path / marker
     if ready.exists():
         return path
-    with _BuildLock(lock):
+    with BuildLock(lock):
         if not ready.exists():
             if path.exists() or path.is_symlink():
                 subprocess.run(["rm", "-rf", str(path)], check=True)
@@ -130,6 +143,72 @@ def worker_copy(venv: Path, worker: str) -> Path:
 
     return build_once(CACHE / "workers" / worker / venv.name, f"worker-{worker}-{venv.name}", build,
                       marker=".servops-worker-ready")
+
+
+# ---- a copy a killed run left patched ---------------------------------------------------------
+# A test patches its worker's copy and puts it back afterwards; a run killed in between leaves the
+# copy patched (and servops' patch state in it saying so), which the next run would take for
+# pristine. repair() checks the Python files of every distribution servops has patches for
+# against the copy's RECORD and restores a changed one from the cached wheel (written by rename:
+# the original's hard-linked inode is left alone), and drops the patch state and temp files.
+
+def patched_dists() -> set[str]:
+    """The distributions servops has patches for (patches/<distribution>/), as dist-info names."""
+    from ..patchstore import PATCH_ROOT
+
+    return {d.name.replace("-", "_") for d in PATCH_ROOT.iterdir() if d.is_dir()}
+
+
+def _record(dist_info: Path) -> dict[str, str]:
+    import csv
+
+    with open(dist_info / "RECORD", newline="") as fh:
+        return {row[0]: row[1] for row in csv.reader(fh) if len(row) > 1 and row[1]}
+
+
+def record_hash(path: Path) -> str:
+    import base64
+
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def drifted(site: Path, dist_info: Path) -> list[str]:
+    """The Python files of a distribution that differ from its RECORD (changed or missing)."""
+    out = []
+    for rel, digest in _record(dist_info).items():
+        if rel.endswith(".py") and not rel.startswith(".."):
+            path = site / rel
+            if not path.is_file() or record_hash(path) != digest:
+                out.append(rel)
+    return out
+
+
+def repair(venv: Path) -> list[str]:
+    """Put a test copy back as built: servops' patch state and its temp files removed, every drifted
+    Python file of a distribution servops patches restored from its wheel. Returns the files restored."""
+    import zipfile
+
+    subprocess.run(["rm", "-rf", str(venv / ".servops")], check=True)
+    site = site_packages(venv)
+    for tmp in site.rglob(".*.servops-tmp"):
+        tmp.unlink(missing_ok=True)
+    restored, patched = [], patched_dists()
+    for dist_info in sorted(site.glob("*.dist-info")):
+        name, _, version = dist_info.name[: -len(".dist-info")].partition("-")
+        if name not in patched or not (bad := drifted(site, dist_info)):
+            continue
+        wheel = cached_wheel(f"{name}-{version}-*.whl", f"{name}=={version}")
+        with zipfile.ZipFile(wheel) as z:
+            for rel in bad:
+                path = site / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.repair-tmp")
+                tmp.write_bytes(z.read(rel))
+                tmp.replace(path)
+                shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
+                restored.append(rel)
+    return restored
 
 
 # ---- sglang's real bench_serving, for bench/parity_bench_serving.py (never built by the tests) ----
@@ -216,8 +295,10 @@ def cached_sglang_wheel(version: str) -> Path | None:
         return None
 
 
-class _BuildLock:
-    """One builder at a time per cache (parallel test processes share it)."""
+class BuildLock:
+    """One builder at a time per cached thing (every test process on the machine shares the
+    cache). An flock: the kernel lets go of it when its holder dies, so a killed run leaves no
+    stale lock (its file stays, and means nothing)."""
 
     def __init__(self, name: str):
         CACHE.mkdir(parents=True, exist_ok=True)

@@ -381,7 +381,7 @@ def server_proc(adopt=False):
     for pid, facts in sorted(release_processes(RELEASES).items()):
         d = os.path.join(RELEASES, facts["release"])
         if (facts["sid"] == pid and facts["pgid"] == pid and NAME_RE.fullmatch(facts["release"])
-                and os.path.realpath("/proc/%d/cwd" % pid) == os.path.realpath(d)):
+                and _link(pid, "cwd") == os.path.realpath(d)):  # (None once it exited meanwhile)
             meta = release_info(facts["release"])
             info = {"pid": pid, "pgid": pid, "starttime": facts["starttime"], "release": facts["release"],
                     "port": meta.get("port"), "started_at": now_iso(), "started_epoch": time.time(),
