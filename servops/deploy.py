@@ -690,7 +690,7 @@ def drift_text(release: str, drift: list[dict]) -> str:
     def one(d: dict) -> str:
         if d.get("now") is None:
             return f"{d['file']} " + ("is gone" if d.get("kind") == "gone" else f"is no longer the file servops wrote "
-                                      f"({hostreply.shown(str(d.get('kind') or 'not a regular file'), 160)})")
+                                      f"({hostreply.shown(str(d.get('kind') or 'not a regular file'), 512)})")
         when = f"{d['recorded'][7:19]}..." if d.get("recorded") else "unknown"
         return (f"{d['file']} was changed on the host (sha256 {when} as written, now {d['now'][7:19]}...; "
                 f"{d.get('bytes', 0):,} bytes, modified {hostreply.shown(str(d.get('modified')), 40)})")

@@ -96,7 +96,8 @@ def test_2_start_after_stop_and_status_says_down(alab):
 
 def test_2_restart_keeps_the_release_and_a_crash_rolls_back(alab):
     """restart: a new server of the same release. A release whose server file has since vanished
-    from the host crashes on restart: rolled back to the previous healthy release (exit 4)."""
+    from the host is refused; run as it is (--allow-drift) it crashes: rolled back to the previous
+    healthy release (exit 4)."""
     lab, inv, port = alab
     assert run_invoke("deploy", "--variant", "baseline", inventory=inv).returncode == 0
     good = current(lab)
@@ -106,7 +107,10 @@ def test_2_restart_keeps_the_release_and_a_crash_rolls_back(alab):
     assert res.returncode == 0 and f"restarted {rel}" in res.stdout, res.stdout + res.stderr
     assert current(lab) == rel and server_pid(lab) != pid and healthy(port)
     (root_of(lab) / "releases" / rel / "sglang_double.py").unlink()
-    res = run_invoke("restart", inventory=inv)
+    res = run_invoke("restart", inventory=inv)  # a release that drifted is refused, the server left serving
+    assert res.returncode == 2 and "sglang_double.py is gone" in res.stderr, res.stdout + res.stderr
+    assert current(lab) == rel and healthy(port)
+    res = run_invoke("restart", "--allow-drift", inventory=inv)  # run as it is: it crashes, and goes back
     assert res.returncode == 4, res.stdout + res.stderr
     assert f"rolled back to {good}" in res.stderr and current(lab) == good and healthy(port)
 

@@ -25,7 +25,7 @@ from servops.lab.sshd import free_port
 from servops.output import json_text
 from servops.remote import loadgen
 
-HOSTILE_FILES = ["servops/lab/sglang_double.py", "servops/remote/sglang_args.py", "tests/hostile/hostile_server.py"]
+HOSTILE_FILES = ["servops/lab/sglang_double.py", "servops/lab/piecewise_model.py", "servops/remote/sglang_args.py", "tests/hostile/hostile_server.py"]
 
 
 def strict_json(text: str):

@@ -213,12 +213,12 @@ def test_4_5_a_config_json_that_is_no_file_is_named_never_read(proof_lab, plante
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"not run: the model's config.json cannot be read: {config} {kind}" in res.stdout, res.stdout
     assert "NOT proven on this host" in res.stdout
-    # the deploy's proof (check mode runs it too) says the same and goes on: nothing proven, nothing changed
+    # a deploy never reads the model through this call-site check (its proof of a compiled variant is the
+    # audit of the whole region, servops/audit.py): the unreadable file stops nothing, changes nothing
     books = playbooks_with(lab.tmp, fp8="extends: baseline\npatches: [version-constant, fp8-opaque]\n")
     res = run_invoke("deploy", "--variant", "fp8", "--dry-run", inventory=inv,
                      env=dict(env, SERVOPS_PLAYBOOKS=str(books)))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"config.json cannot be read: {config} {kind}" in res.stdout and "NOT proven on this host" in res.stdout
     assert "would deploy fp8" in res.stdout and "apply fp8-opaque, apply version-constant (check mode)" in res.stdout
     assert not (lab.tmp / "deploy-lab1" / "releases").exists()
 

