@@ -527,6 +527,17 @@ def op_stop():
     return res
 
 
+def become_detached_child(d, log_fd):
+    """In a forked child: its own session in the release directory d, no stdin, stdout and stderr
+    to log_fd (a server or a pre-build outlives the program that started it)."""
+    os.setsid()
+    os.chdir(d)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+
+
 def start_server(name, port):
     """Start a release's launch script in a new session, its pid recorded BEFORE it can serve:
     the child waits on a pipe until server.pid names it, so a controller or host program killed
@@ -547,12 +558,7 @@ def start_server(name, port):
     if pid == 0:  # the server-to-be: its own session, output to the log, exec only on "go"
         try:
             os.close(go_w)
-            os.setsid()
-            os.chdir(d)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
+            become_detached_child(d, log_fd)
             os.closerange(3, go_r)
             os.closerange(go_r + 1, 1 << 16)
             if os.read(go_r, 1) != b"1":
@@ -963,12 +969,7 @@ def op_warmup():
     pid = os.fork()
     if pid == 0:
         try:
-            os.setsid()
-            os.chdir(d)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
+            become_detached_child(d, log_fd)
             os.closerange(3, 1 << 16)
             os.execvpe("bash", ["bash", script], env)
         finally:
