@@ -189,11 +189,6 @@ def trial_runs(done: list[dict], rebenched: dict[str, list[float]] | None = None
     return out
 
 
-def campaign_noise(done: list[dict], rebenched: dict[str, list[float]] | None = None) -> verdict.Noise | None:
-    """The campaign's run-to-run noise: pooled over every trial benched more than once."""
-    return verdict.pooled_noise(trial_runs(done, rebenched))
-
-
 def repeat_decision(camp: Campaign, done: list[dict], tid: str,
                     runs: list[float]) -> tuple[bool, str, verdict.Noise | None]:
     """max_repeats >= 2: bench trial `tid` (its `runs` so far) again, without a restart? Against
