@@ -21,7 +21,7 @@ from rich.console import Console  # noqa: E402
 from servops.diagnose import known_issues, report, scan_local  # noqa: E402
 from servops.lab import hostile_logs  # noqa: E402
 
-SHAPES = ("long_failing_lines", "repeated_bus_error", "long_words", "mixed", "one_huge_line")
+SHAPES = ("long_failing_lines", "repeated_bus_error", "long_words", "mixed", "one_huge_line", "table_cell_continued")
 
 
 def cpu_seconds(text: str, issues: list[dict]) -> tuple[float, str]:

@@ -1,7 +1,7 @@
 """diagnose that knows when it does not know (issue 47): a category from the evidence shown only
 above the threshold held-out logs chose, else "uncategorised" with its leaning; the boilerplate of
 every CUDA/HIP error weighs nothing; the first real error wins over a wrapper's epitaph; failure
-signs without an exception word; roots a terminal wrapped joined; the next step worded for the
+signs without an exception word; roots a terminal wrapped or a table cell split joined; the next step worded for the
 host's release. Each shape on a real log of it from a thread no earlier fixture used
 (tests/fixtures/real, batch h47-shapes), but the issue 45 crash, assembled from the real sglang
 0.5.17 wheel's source lines (no log of it is public: tests/fixtures/sglang-0.5.17-dynamo-gcd-import-constructed.log).
@@ -18,6 +18,7 @@ from rich.console import Console
 from conftest import run_invoke
 from servops.categorize import load_model
 from servops.diagnose import evidence, finding_features, known_issues, match_log, report, scan_local, shown_finding
+from servops.remote.logscan import MAX_LINE, continue_cell, join_table_cells, normalise
 from servops.remote.tracebacks import scan
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -160,6 +161,109 @@ def test_a_log_a_terminal_wrapped_reads_as_the_log(path, width):
     found, wrapped = scan(text)["findings"], scan(_wrapped(text, width))["findings"]
     assert [f["root_exception"] for f in wrapped] == [f["root_exception"] for f in found]
     assert named(_wrapped(text, width)) == named(text)
+
+
+# -- 5. a table cell its printer continued on the rows under it is joined ------------------------------
+
+TRITON_129 = "trtllm-backend-129-triton-status-cell-cut-mid-word.log"  # the cell cut at its width, mid-word
+TRITON_33 = "trtllm-backend-33-triton-status-cell-cut-at-space.log"    # cut after "Assertion failed: "
+# the message as the same log's model_lifecycle.cc E line carries it whole (tensorrtllm_backend#129)
+TRT_ASSERT = ("UNAVAILABLE: Internal: unexpected error when creating modelInstanceState: [TensorRT-LLM][ERROR] Assertion "
+              "failed: mpiSize == tp * pp (/app/tensorrt_llm/cpp/tensorrt_llm/runtime/worldConfig.cpp:80)")
+
+
+@pytest.mark.parametrize("name", [TRITON_129, TRITON_33])
+def test_an_error_a_status_table_split_over_rows_is_read_whole(name):
+    # tritonserver's model table: the status cell of the failed model printed over several rows,
+    # the model and version cells of those rows blank
+    rep, out, _ = diagnosed(real(name))
+    assert rep.root == "tensorrt_llm | 1 | " + TRT_ASSERT
+    assert rep.matched[0][0] == "mpi-world-size-mismatch" and rep.exit_code == 1
+    assert "root cause: tensorrt_llm | 1 | " + TRT_ASSERT in out
+
+
+def test_the_real_rows_of_a_table_stay_rows_and_a_cells_own_lines_stay_lines():
+    # the READY rows are rows of their own (their other cells are not blank); the stack frame under
+    # the message is a line of the cell's own text (its first word would have fitted on the row
+    # above), read as a line of its own with its cut-off end joined to it
+    lines = [ln.text for ln in normalise(real(TRITON_129))]
+    assert "postprocessing | 1       | READY" in lines[4] and "preprocessing  | 1       | READY" in lines[5]
+    assert lines[6] == "tensorrt_llm | 1 | " + TRT_ASSERT
+    assert lines[7] == ("3       0x7f06d283e9e2 /opt/tritonserver/backends/tensorrtllm/libtriton_tensorrtllm.so(+0x569e2) "
+                        "[0x7f06d283e9e2]")
+    assert len(lines) == 8 and [ln.no for ln in normalise(real(TRITON_129))][6:] == [7, 10]
+
+
+def _cell(text, width):
+    """A cell as a table draws it between its borders: one space of padding each side."""
+    return " " + text.ljust(width) + " "
+
+
+def test_a_cell_continues_where_it_filled_its_column_or_the_next_word_could_not_fit():
+    # cut at the column's width (Triton's printer): joined as it stands, mid-word or not
+    assert continue_cell(_cell("modelInstanceState: [TensorRT-LLM][E", 36), _cell("RROR] Assertion", 36)) == \
+        "modelInstanceState: [TensorRT-LLM][ERROR] Assertion"
+    assert continue_cell(_cell("mpiSize == tp *", 15), _cell(" pp (x.cpp:80)", 15)) == "mpiSize == tp * pp (x.cpp:80)"
+    # wrapped at a word (rich, textwrap): the next word did not fit, so a space between
+    assert continue_cell(_cell("Assertion failed:", 20), _cell("mpiSize == tp * pp", 20)) == "Assertion failed: mpiSize == tp * pp"
+    # the next row's first word would have fitted, or it is indented: a line of the cell's own text
+    assert continue_cell(_cell("worldConfig.cpp:80)", 40), _cell("1       0x7f923a86a645 /opt/x.so", 40)) is None
+    assert continue_cell(_cell("Traceback (most recent call last):", 40), _cell('  File "/x.py", line 1', 40)) is None
+    # blank cells continue nothing
+    assert continue_cell(_cell("", 10), _cell("text", 10)) is None and continue_cell(_cell("text", 4), _cell("", 4)) is None
+
+
+def test_only_rows_whose_other_cells_are_blank_and_whose_borders_match_are_joined():
+    table = ["+----+----------+",
+             "| m1 | a long   |",
+             "|    | error    |",   # "error" did not fit after "a long": one text
+             "| m2 | READY    |",   # a row of its own
+             "|    |          |",
+             "|    | next     |",   # under a blank row: nothing to continue
+             "| m3 | cut-off- |",
+             "| x  | here     |",   # its other cell is not blank: a row of its own
+             "| m4 | cut-off- |",
+             "|      | here   |",   # its borders stand elsewhere: another table
+             "+----+----------+"]
+    lines, numbers = join_table_cells(table)
+    assert lines == [table[0], "| m1 | a long error"] + table[3:]
+    assert numbers == [1, 2] + list(range(4, 12))
+    # a chain goes on over several rows, in the one column it started in; rich's box borders too
+    box = ["\u2502" + _cell(a, 6) + "\u2502" + _cell(b, 19) + "\u2502"
+           for a, b in [("worker", "RuntimeError: CUDA"), ("", "error: an illegal"), ("", "memory access"), ("w2", "ok")]]
+    lines, numbers = join_table_cells(box)
+    assert lines[0] == "\u2502 worker \u2502 RuntimeError: CUDA error: an illegal memory access" and numbers == [1, 4]
+    assert [ln.text for ln in normalise("\n".join(box))][0] == "worker \u2502 RuntimeError: CUDA error: an illegal memory access"
+    # a box of one cell (a rich panel, a traceback frame) is no table: nothing is joined
+    panel = ["\u2502 RuntimeError: a message that goes \u2502", "\u2502 on here                           \u2502"]
+    assert join_table_cells(panel)[0] == panel
+    # a continuation in another column than the one the chain started in ends it
+    two = ["| a | long text |  |", "|   | more      |  |", "|   |           | x |"]
+    assert join_table_cells(two)[0][1:] == ["|   |           | x |"]
+
+
+def test_a_cell_continued_without_end_is_joined_in_bounded_pieces():
+    rows = ["| m | " + "x" * 20 + " |"] + ["|   | " + "y" * 20 + " |"] * 5000
+    lines, _ = join_table_cells(rows)
+    assert all(len(line) <= MAX_LINE + 200 for line in lines) and 5 <= len(lines) <= 10
+
+
+def test_a_table_as_wide_as_the_terminal_that_wrapped_the_log_is_not_unwrapped_row_into_row():
+    # a log wrapped at 120 columns and a table Triton drew 120 wide in it: the table's rows are
+    # drawn rows, not wrapped ones; the status cell is joined
+    width, status = 120, "UNAVAILABLE: Internal: " + "x" * 200 + " Assertion failed: mpiSize == tp * pp"
+    share = width - 21  # the name cell 4 wide, the version's 7, each cell's padding and the four borders
+
+    def row(a, b, c):
+        return "| " + a.ljust(4) + " | " + b.ljust(7) + " | " + c.ljust(share) + " |"
+    rule = "+" + "-" * 6 + "+" + "-" * 9 + "+" + "-" * (share + 2) + "+"
+    table = [rule, row("Name", "Version", "Status"), rule, row("m", "1", status[:share])]
+    table += [row("", "", status[k:k + share]) for k in range(share, len(status), share)] + [rule]
+    long = "the server starts and says a great deal about its configuration: " + "abcdefgh " * 30
+    log = "\n".join([long[k:k + width] for k in range(0, len(long), width)] * 3 + table) + "\n"
+    assert {len(line) for line in table} == {width}
+    lines = [ln.text.rstrip() for ln in normalise(log)]
+    assert "m | 1 | " + status in lines and lines.count(long.rstrip()) == 3
 
 
 # -- 7. actions follow the host's release ---------------------------------------------------------------

@@ -21,6 +21,8 @@ def test_what_any_pattern_sees_is_bounded_whatever_the_log_holds():
     # evidence the knowledge base and the category read of a failure at most 200 lines of 2,000
     text = hostile_logs.mixed(3_000_000) + hostile_logs.one_huge_line(2_000_000)
     assert max(len(ln.text) for ln in normalise(text)) <= MAX_LINE
+    # (a table cell continued over a megabyte of rows is joined in lines of at most MAX_LINE too)
+    assert max(len(ln.text) for ln in normalise(hostile_logs.table_cell_continued(1_000_000, width=3))) <= MAX_LINE
     findings = scan(text)["findings"]
     assert findings and all(len(evidence(f).text) <= 200 * 2001 for f in findings)
     assert all(len(f["root_exception"]) <= 2000 for f in findings)

@@ -42,6 +42,14 @@ def one_huge_line(size: int) -> str:
     return "ERROR: RuntimeError: the engine failed: " + ("x" * size) + "\n"
 
 
+def table_cell_continued(size: int, width: int = 100) -> str:
+    """A drawn table whose one cell goes on over every row of the log (each row the continuation of
+    the one above: its other cell blank, its cell filled to the column's width), then a failure."""
+    one = "|   | " + ("y" * width) + " |\n"
+    return ("| m | " + ("x" * width) + " |\n" + one * max(1, -(-size // len(one)))
+            + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+
+
 def logged_request_quoting_a_traceback(served_line: str, request_line: str) -> str:
     """A healthy log whose request lines quote a user's traceback inside the logged prompt: once in
     escaped newlines, once over several lines of the prompt. `request_line` is a real logged request

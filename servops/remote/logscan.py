@@ -471,7 +471,7 @@ def _wrap_width(raw_lines):
     rows = sum(lengths.values())
     if width not in _WRAP_WIDTHS or lengths[width] < max(2, rows // 50):
         return None
-    full = [raw for raw in raw_lines[:20000] if len(raw.rstrip("\r")) == width]
+    full = [raw for raw in raw_lines[:20000] if len(raw.rstrip("\r")) == width and not _drawn_row(raw)]
     # (rows of one repeated character are a separator drawn at the terminal's width, not a wrap)
     return width if any(len(set(raw.strip())) > 2 for raw in full) else None
 
@@ -482,9 +482,116 @@ def _unwrap(raw_lines, numbers, width, learned):
     while k < len(raw_lines):
         raw, no = raw_lines[k], numbers[k] if numbers else k + 1
         while (len(raw_lines[k].rstrip("\r")) == width and k + 1 < len(raw_lines) and raw_lines[k + 1].strip()
+               and not _drawn_row(raw_lines[k])
                and not strip_prefixes(_clean(raw_lines[k + 1]), learned)[1] and len(raw) < MAX_LINE):
             k += 1
             raw = raw.rstrip("\r") + raw_lines[k]
+        out.append(raw)
+        renumbered.append(no)
+        k += 1
+    return out, renumbered
+
+
+# A text table (Triton's model and backend tables, tabulate's and PrettyTable's grids, rich's boxes)
+# prints a cell longer than its column over several rows: the rest of the cell's text in the same
+# column of the rows after it, every other cell of those rows blank. Such rows are read as the
+# first row with that cell's text joined, so an error message in a status cell (`UNAVAILABLE:
+# Internal: ... [TensorRT-LLM][E` + `RROR] Assertion failed: mpiSize == tp * pp`) is one line.
+# The columns are where the border characters stand: a row that continues another has its borders
+# at the same places. A row continues the text of the one above it when that row filled its cell
+# (a printer that cuts at the column's width, mid-word: joined as it stands) or when the next word
+# could not have fitted after it (a printer that wraps at words: joined with a space); a row whose
+# first word would have fitted, or that is indented, starts a new line of the cell's own text
+# (a stack frame under the message), and a row with text in another cell is a new row.
+_CELL_BORDERS = "|\u2502\u2503"          # | │ ┃
+_ROW_EDGES = "|+\u2502\u2503\u250c\u2510\u2514\u2518\u251c\u2524\u250f\u2513\u2517\u251b\u2523\u252b" \
+             "\u256d\u256e\u256f\u2570\u2521\u2529\u2547\u2548"  # and the corners and tees a frame is drawn with
+_BORDER = _re.compile("[" + _CELL_BORDERS + "]")
+
+
+def _drawn_row(raw):
+    """Whether a line is a row (or a rule) of a drawn table: it starts and ends on the table's frame."""
+    s = raw.strip()
+    return len(s) > 2 and s[0] in _ROW_EDGES and s[-1] in _ROW_EDGES
+
+
+def _table_row(raw):
+    """The positions of a table row's borders (at least three: two cells or more), or None."""
+    s = raw.rstrip()
+    if len(s) < 5 or s[-1] not in _CELL_BORDERS or s.lstrip()[:1] not in _CELL_BORDERS:
+        return None
+    cols = tuple(m.start() for m in _BORDER.finditer(s))
+    return cols if len(cols) >= 3 else None
+
+
+def _cells(raw, cols):
+    return [raw[a + 1:b] for a, b in zip(cols, cols[1:])]
+
+
+def _cell_glue(above, below):
+    """What stands between the text of a table cell `above` (as drawn between its borders, its
+    padding included) and the text `below` continues it with in the row under it: "" (cut at the
+    column's width), " " (wrapped at a word), or None where `below` starts a line of its own."""
+    width = len(above) - 2                  # one space of padding on each side
+    text, rest = above[1:].rstrip(), below[1:].rstrip()
+    if width < 1 or not text.strip() or not rest.strip():
+        return None
+    if len(text) >= width:                  # it filled its cell: cut at the column's width
+        return ""
+    if rest[:1].isspace():                  # indented: a line of its own
+        return None
+    word = rest.split(None, 1)[0]
+    if len(text) + 1 + len(word) > width:   # the next word did not fit after it: wrapped at words
+        return " "
+    return None
+
+
+def continue_cell(above, below):
+    """The text of cell `above` joined with the text of cell `below` under it, or None where
+    `below` is no continuation of it (both as drawn between their borders)."""
+    glue = _cell_glue(above, below)
+    return None if glue is None else above[1:].rstrip() + glue + below[1:].rstrip()
+
+
+def join_table_cells(raw_lines, numbers=None):
+    """(lines, numbers): the lines with each table cell a printer continued over the rows under it
+    joined into its first row (the row rebuilt from its cells, without its right border), those
+    rows left out. Linear: each line is looked at once, a joined cell grows to MAX_LINE at most."""
+    out, renumbered = [], []
+    k, n = 0, len(raw_lines)
+    while k < n:
+        raw = raw_lines[k]
+        no = numbers[k] if numbers else k + 1
+        cols = _table_row(raw)
+        if cols:
+            cells = _cells(raw, cols)
+            col, above, pieces, size = None, None, [], 0
+            while k + 1 < n and _table_row(raw_lines[k + 1]) == cols:
+                below = _cells(raw_lines[k + 1], cols)
+                filled = [j for j, c in enumerate(below) if c.strip()]
+                if len(filled) != 1 or (col is not None and filled[0] != col):
+                    break
+                j = filled[0]
+                glue = _cell_glue(cells[j] if col is None else above, below[j])
+                if glue is None:
+                    break
+                if col is None:
+                    pieces = [cells[j][1:].rstrip()]
+                    size = len(raw) - len(cells[j]) + len(pieces[0])
+                rest = below[j][1:].rstrip()
+                if size + len(glue) + len(rest) > MAX_LINE:
+                    break   # (the row stays a line of at most MAX_LINE: the rows after it go on in one of their own)
+                pieces += [glue, rest]
+                size += len(glue) + len(rest)
+                col, above = j, below[j]
+                k += 1
+            if col is not None:
+                cells = [c.strip() for c in cells]
+                cells[col] = "".join(pieces).strip()
+                row = raw[:cols[0] + 1]
+                for j, cell in enumerate(cells):
+                    row += " " + cell + (" " + raw[cols[j + 1]] if j + 1 < len(cells) else "")
+                raw = row.rstrip()
         out.append(raw)
         renumbered.append(no)
         k += 1
@@ -550,6 +657,7 @@ def normalise(text):
     width = _wrap_width(raw_lines)
     if width:
         raw_lines, numbers = _unwrap(raw_lines, numbers, width, learned)
+    raw_lines, numbers = join_table_cells(raw_lines, numbers)
     out = []
     data, data_from = None, 0   # the quote a logged request's value still open waits for, from which line
     current = ""          # stream of the last record header: its continuation lines follow it
