@@ -108,13 +108,14 @@ def test_every_sglang_with_piecewise_cuda_graphs_pins_a_covered_flashinfer():
 
 @pytest.mark.parametrize("version,remote_state", [("0.2.5", "conflicts"), ("0.2.14", "conflicts"),
                                                   ("0.2.14", "not-applied")])
-def test_a_release_without_the_bug_is_version_does_not_match_not_conflicts(monkeypatch, version, remote_state):
+def test_a_release_without_the_bug_is_version_does_not_match_not_conflicts(version, remote_state):
     """What the host's patch(1) probe says there (it cannot apply: no get_cuda_version) is
-    overridden by applies_to: status names the version mismatch, and apply refuses naming the range."""
+    overridden by applies_to: status names the version mismatch (the rows from the host's entries,
+    as patch_op writes them)."""
     patch = find_patch("cuda-version-no-subprocess")
-    monkeypatch.setattr(patching, "_run", lambda hs, op, **a: {"patches": [
-        {"state": remote_state, "version": version, "recorded": False}]})
-    [row] = patching.status(None, [patch])
+    entry = {"name": patch.name, "dist": patch.distribution, "state": remote_state, "version": version,
+             "recorded": False}
+    [row] = patching.status_rows("lab1", [patch], [entry])
     assert row["state"] == patching.MISMATCH and row["version"] == version
 
 
