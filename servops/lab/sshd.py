@@ -31,21 +31,31 @@ def port_range() -> tuple[int, int]:
     return int(low), int(high)
 
 
+_HANDED_OUT: set[int] = set()  # this process' answers: free now, but maybe not bound by anyone yet
+
+
 def free_port(address: str = "0.0.0.0") -> int:
     """A free port below the kernel's ephemeral range (32768+ on Linux), so no outgoing
-    connection can take it between now and when a server binds it."""
+    connection can take it between now and when a server binds it; never one this process
+    handed out before (four hosts' ports asked for in a row, none bound yet, once got the same
+    one twice), until half the range has been."""
     import random
 
     low, high = port_range()
+    if len(_HANDED_OUT) > (high - low + 1) // 2:
+        _HANDED_OUT.clear()
     for _ in range(200):
         port = random.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((address, port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError(f"no free port in {low}-{high}")
 
 
