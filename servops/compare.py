@@ -186,7 +186,6 @@ def figure(host: str, results: dict[str, dict]):
         else:
             room_above(ax)
     ax_tps.legend(fontsize=8, loc="upper left")
-    ax_par.set_xscale("log")
     log_axis(ax_par.xaxis)
     room_above(ax_par)
     ax_par.margins(x=0.15)
@@ -217,11 +216,18 @@ def level_axis(ax, levels: list[int]) -> None:
 
 
 def log_axis(axis) -> None:
-    """A log axis labelled at 1-2-5 steps as plain numbers: matplotlib labels every minor tick
-    of a short log range (2x10^1, 3x10^1, ...), and those labels run into each other."""
+    """A log axis labelled as plain numbers at steps its data's span leaves room for: 1-2-5 over up
+    to two decades, 1-3 up to three and a half, each decade past that (matplotlib labels every minor
+    tick of a short log range, 2x10^1, 3x10^1, ..., and 1-2-5 labels over four decades of TTFT, a
+    0.1 ms first token beside a loaded level's seconds, run into each other). Call it after plotting."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax = axis.axes
+    (ax.set_yscale if axis is ax.yaxis else ax.set_xscale)("log")  # a log locator on a linear axis stacks its labels
+    low, high = axis.get_data_interval()
+    decades = math.log10(high / low) if 0 < low < high and math.isfinite(high / low) else 0.0
+    subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0, 3.0) if decades <= 3.5 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 

@@ -81,3 +81,19 @@ def test_a_short_log_range_is_labelled_at_readable_steps_and_repeats_drop_the_si
 
 def test_one_level_only():
     check_figure({"a": result("a", 1.0, levels=(8,)), "b": result("b", 2.0, levels=(8,))})
+
+
+def test_ttft_over_four_decades_keeps_its_labels_apart():
+    # a first token at once on an idle server (0.1 ms, as the CI's double answered) beside seconds
+    # under load: 1-2-5 labels over four decades ran into each other (0.1 over 0.2)
+    wide = {}
+    for name, speed in (("fast", 1.0), ("slow", 0.5)):
+        r = result(name, speed)
+        for lv in r["levels"]:
+            lv["ttft_p50"] = 0.1 * lv["concurrency"] ** 1.9 / speed
+            lv["ttft_p99"] = 0.15 * lv["concurrency"] ** 1.9 / speed
+        wide[name] = r
+    fig = check_figure(wide)
+    ttft = fig.axes[1]
+    low, high = ttft.get_ylim()
+    assert ttft.get_yscale() == "log" and high / low > 1e4, (ttft.get_yscale(), low, high)
