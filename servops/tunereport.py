@@ -297,7 +297,6 @@ def plots(data: dict) -> dict[str, bytes]:
         if levels:
             level_axis(ax, levels)
         if log:
-            ax.set_yscale("log")
             log_axis(ax.yaxis)
         else:
             room_above(ax)
@@ -328,7 +327,6 @@ def plots(data: dict) -> dict[str, bytes]:
             labels += [((f[0], f[1]), f"{f[2]}@{lv}", colors[trials.index(f[2]) % len(colors)]) for f in front]
     for t in trials:  # one legend entry per trial, in its colour
         ax.scatter([], [], color=colors[trials.index(t) % len(colors)], label=t)
-    ax.set_xscale("log")
     log_axis(ax.xaxis)
     ax.margins(x=0.15)
     room_above(ax)
