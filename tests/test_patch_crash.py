@@ -7,10 +7,8 @@ directory), its real pip distribution patched 24 files at a time; one case goes 
 
 from __future__ import annotations
 
-import base64
 import csv
 import difflib
-import hashlib
 import json
 import subprocess
 import sys
@@ -20,13 +18,10 @@ import pytest
 
 from conftest import run_invoke
 from servops import remote
+from servops.lab.venvs import record_hash
 
 N_FILES = 24
 NAME = "many-files"
-
-
-def record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 @pytest.fixture(scope="module")

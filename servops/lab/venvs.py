@@ -166,11 +166,11 @@ def _record(dist_info: Path) -> dict[str, str]:
         return {row[0]: row[1] for row in csv.reader(fh) if len(row) > 1 and row[1]}
 
 
-def record_hash(path: Path) -> str:
+def record_hash(data: bytes) -> str:
+    """A file's hash as a wheel's RECORD writes it."""
     import base64
 
-    digest = hashlib.sha256(path.read_bytes()).digest()
-    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def drifted(site: Path, dist_info: Path) -> list[str]:
@@ -179,7 +179,7 @@ def drifted(site: Path, dist_info: Path) -> list[str]:
     for rel, digest in _record(dist_info).items():
         if rel.endswith(".py") and not rel.startswith(".."):
             path = site / rel
-            if not path.is_file() or record_hash(path) != digest:
+            if not path.is_file() or record_hash(path.read_bytes()) != digest:
                 out.append(rel)
     return out
 
@@ -347,7 +347,6 @@ def lab_kernels_digest() -> str:
 
 def lab_kernels_wheel(dest: Path) -> Path:
     """The lab kernels as a wheel (stdlib zipfile: no build backend needed in the venv)."""
-    import base64
     import zipfile
 
     info = f"{LAB_KERNELS_DIST}-{LAB_KERNELS_VERSION}.dist-info"
@@ -357,11 +356,7 @@ def lab_kernels_wheel(dest: Path) -> Path:
     files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: servops\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     files[f"{info}/top_level.txt"] = b"labgemm\nlabkernels\n"
 
-    def row(name: str, data: bytes) -> str:
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        return f"{name},sha256={digest},{len(data)}\n"
-
-    record = "".join(row(n, d) for n, d in files.items()) + f"{info}/RECORD,,\n"
+    record = "".join(f"{n},{record_hash(d)},{len(d)}\n" for n, d in files.items()) + f"{info}/RECORD,,\n"
     wheel = dest / f"{LAB_KERNELS_DIST}-{LAB_KERNELS_VERSION}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         for name, data in files.items():
