@@ -67,7 +67,11 @@ def test_real_vllm_serves_streams_and_stops_clean(vllm_server, tiny_models, vllm
     events = [line[len("data: "):] for line in body.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert sum(1 for c in chunks if c["choices"]) == 8
+    # a chunk per engine step, except that vLLM's output collector merges the steps a slow reader
+    # has not taken yet into one chunk (a loaded CI machine saw 7 chunks for 8 tokens): the token
+    # count is the usage line's, the chunk count only bounded by it
+    assert 1 <= sum(1 for c in chunks if c["choices"]) <= 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 3, "total_tokens": 11,
                                                                    "completion_tokens": 8}
 
