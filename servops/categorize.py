@@ -57,8 +57,13 @@ CUES = [
                         r"compressed[-_]tensors|modelopt|\bgguf\b"),
     ("quantization", 1, r"(?i)\bint[48]\b|\bscales?\b|block[-_]?wise|per[-_]?tensor|cutlass"),
     ("config", 3, r"(?i)unrecognized arguments|not divisible|divisible by|ValidationError|validation error|"
-                  r"invalid (?:argument|value|choice|config)|must be (?:one of|a|an|at|less|greater|divisible)|"
+                  r"must be (?:one of|a|an|at|less|greater|divisible)|"
                   r"max[-_]model[-_]len|context[-_ ]length|is larger than|exceeds"),
+    # an invalid argument or value, but not in a GPU runtime's error report (`CUDA error: invalid
+    # argument`, `[FT][ERROR] CUDA runtime error: invalid argument`, `CUDA error in k.cu:178
+    # executing 'cudaLaunchKernelEx(...)': invalid argument`): that is a kernel launch's or an
+    # allocation's bad value (cudaErrorInvalidValue), no setting of the server's
+    ("config", 3, r"(?i)^(?!.*\b(?:CUDA|HIP)(?: runtime)? error\b).*?\binvalid (?:argument|value|choice|config)"),
     ("config", 1, r"(?i)argument|ServerArgs|EngineArgs|\bflag\b|--[a-z][\w-]+|expected|should be|not supported|"
                   r"tensor[-_]parallel|tp[-_]size"),
     ("install", 3, r"ImportError|ModuleNotFoundError|No module named|undefined symbol|cannot import name|"

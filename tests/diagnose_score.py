@@ -238,7 +238,7 @@ def kfold(k: int) -> dict:
                 {k / 10 for k in range(10)} | {threshold}))}
 
 
-BLIND_ORDER = ["blind-1206", "blind2-1206", "blind3-1206", "blind4-1206", "blind5-1206", "blind6-1206"]
+BLIND_ORDER = ["blind-1206", "blind2-1206", "blind3-1206", "blind4-1206", "blind5-1206", "blind6-1206", "blind8-h49"]
 
 
 def _git(*args: str) -> str:

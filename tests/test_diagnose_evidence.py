@@ -165,12 +165,12 @@ def test_the_shipped_model_is_what_its_logs_train():
 
 
 def test_held_out_by_thread_the_evidence_names_most_categories_and_sets_the_threshold():
-    # 255 labelled logs, 5 folds by thread, the model (and the lexicon's weight) learned on the
-    # other folds only: 204/255 held out (80%) against 240/255 on its own training logs, and
-    # 183/255 for the hand-written lexicon alone
+    # 273 labelled logs, 5 folds by thread, the model (and the lexicon's weight) learned on the
+    # other folds only: 222/273 held out (81%) against 257/273 on its own training logs, and
+    # 193/273 for the hand-written lexicon alone
     r = kfold(5)
-    assert r["logs"] >= 250 and r["threads"] >= 245
-    assert r["held_out_alone"] >= 200 and r["training_alone"] >= r["held_out_alone"]
+    assert r["logs"] >= 270 and r["threads"] >= 265
+    assert r["held_out_alone"] >= 220 and r["training_alone"] >= r["held_out_alone"]
     assert r["held_out"] >= r["known_named"]
     # the categories it shows held out: at most 1 wrong in 20, at the threshold the shipped model carries
     assert r["held_out_wrong_shown"] * 20 <= r["held_out_shown"] and r["held_out_shown"] >= 0.6 * r["logs"]

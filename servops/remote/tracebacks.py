@@ -5,6 +5,7 @@
 # SGLang/vLLM fatal lines.
 # Standard library only: used locally (`--offline`) and shipped to the host, after logscan.py,
 # inside the diagnose program. scan(text) is the entry point; it returns plain dicts (JSON).
+import bisect as _bisect
 import re as _re
 
 if "normalise" not in globals():  # imported as a module; the host program has logscan.py above
@@ -21,6 +22,11 @@ _EXC_EMBEDDED = _re.compile(r"(?<![A-Za-z0-9_.])(?P<type>" + _EXC_NAME + r"): (?
 # an exception logged as its repr with a message after it: `... with exception
 # KVTransferError(bootstrap_room=165): Failed due to ...`
 _EXC_REPR = _re.compile(r"(?<![A-Za-z0-9_.])(?P<type>" + _EXC_NAME + r")\((?P<args>[^()\n]{0,200})\): (?P<msg>\S.*)$")
+# a record whose whole message is an exception's repr (`logger.exception(repr(e))`, vLLM V0's client:
+# `ERROR ... client.py:282] RuntimeError('Engine process (pid 76) died.')`, then `NoneType: None`):
+# the exception that record reports. Only the whole message: a repr inside a sentence (`Failed to
+# import from amdsmi with ModuleNotFoundError(...)`) is that sentence's evidence, not its exception.
+_EXC_REPR_WHOLE = _re.compile(r"^(?P<type>" + _EXC_NAME + r")\((?P<q>['\"])(?P<msg>.*)(?P=q)\)$")
 # IPython/Jupyter: `ValueError      Traceback (most recent call last)`, then frames as `Cell In[3],
 # line 5` / `File /x.py:177, in LLM.__init__(self, ...)` (IPython 8) or `/x.py in f(a)` /
 # `<ipython-input-3-ab> in <module>` (IPython 7), each with a numbered source listing whose
@@ -159,6 +165,14 @@ _LOUD = ("unhealthy", "tokenizer", "kv-cache")
 # traceback cut before its exception line, an engine that only says it died) has it as its root.
 _LATENT = _re.compile(r"(?P<type>\b(?:ImportError|ModuleNotFoundError|OSError))\((?P<q>['\"])(?P<msg>.+?)(?P=q)\)")
 _LATENT_WORDS = ("ImportError(", "ModuleNotFoundError(", "OSError(")
+# NCCL reports its own failures at its WARN level (`node5:240:240 [6] misc/socket.cc:533 NCCL WARN
+# socketPollConnect: Connect to 10.0.0.4<56849> returned 113(No route to host)`), followed by the
+# `NCCL INFO file.cc:N -> 2` chain of return codes up to the caller. A warning alone is no failure
+# (NCCL also warns and goes on), but a failure close below it that shows no cause of its own (a
+# traceback cut before its exception line, a death) has it as its cause.
+_NCCL_WARN = _re.compile(r"\bNCCL WARN\b")
+# (a stream keeps its first ones and its latest: a flood of them costs bounded memory)
+_MAX_NCCL_WARNINGS = 1000
 # Exceptions that only report that another process already failed (vLLM's front end when its
 # engine core died, a worker wrapper re-raising): after a real failure they are its consequence.
 _CONSEQUENCE_EXC = _re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue|"
@@ -307,6 +321,7 @@ class _Stream(object):
         self.gapped = False
         self.stop_requested = None  # the line number of the last "SIGTERM received"
         self.latent = []            # import failures logged as warnings (_LATENT), as exceptions
+        self.nccl_warnings = []     # NCCL's own `NCCL WARN` lines (_NCCL_WARN), as error lines
 
     def text(self, i):
         return self.lines[i].text
@@ -662,6 +677,9 @@ class _Stream(object):
                 if exc["type"] or not _WARNING_STACK.search(before):
                     self.items.append(("exc", exc))
                 continue
+            if "NCCL WARN" in t and _NCCL_WARN.search(t):
+                _keep(self.nccl_warnings, {"class": "nccl", "text": s[:_MAX_ROOT], "line": ln.no, "last": ln.no,
+                                           "rank": ln.rank}, _MAX_NCCL_WARNINGS)
             # (an extension that cannot load, logged only as a warning, never heals: evidence)
             quiet = ln.level in _QUIET_LEVELS and not (ln.level[:4] == "WARN" and "undefined symbol" in t)
             if quiet and ln.level[:4] == "WARN" and any(w in t for w in _LATENT_WORDS):
@@ -676,6 +694,10 @@ class _Stream(object):
                 m = _EXC_EMBEDDED.search(t)
                 if m is None and "): " in t:
                     m = _EXC_REPR.search(t)
+            if m is None and not quiet and s[-1:] == ")" and any(w in s for w in _EXC_WORDS) \
+                    and not (i + 1 < self.n and "Traceback" in self.text(i + 1)):
+                # (a repr right above a traceback header is that traceback's message: read with it)
+                m = _EXC_REPR_WHOLE.match(s)
             if m and _CARRIES_ON.search(t[:m.start()]):
                 i += 1  # logged and handled: the server goes on without that part
                 continue
@@ -864,7 +886,9 @@ def epitaph(text):
 
 _EPITAPH = _re.compile(r"(?:Scheduler|TpModelWorkerClient|DataParallelController|TokenizerManager|Detokenizer\w*) hit an "
                        r"exception|\bactor died\b|The actor (?:died|is dead)|Worker failed with error|WorkerProc failed to start|"
-                       r"WorkerProc hit an exception|Engine core proc \S+ died|Worker proc \S+ died")
+                       r"WorkerProc hit an exception|Engine core proc \S+ died|Worker proc \S+ died|"
+                       # vLLM V0's front end when its engine process exited: `RuntimeError('Engine process (pid 76) died.')`
+                       r"Engine process \(pid \d+\) died")
 
 
 NO_EXCEPTION_LINE = "(exception line not in the log)"
@@ -974,6 +998,18 @@ def _shows_no_cause(f):
         return False
     typed = [e for e in f["chain"] if e.get("type")]
     return not typed or _only_reports_a_death(f) or not f["chain"]
+
+
+def _attach_nccl_warnings(f, warnings, lines):
+    """NCCL's warnings (sorted, with their line numbers) in the _GAP lines above a failure that
+    shows no cause of its own become its first error lines (its root): NCCL said what failed, the
+    process only what died."""
+    if not warnings or not _shows_no_cause(f):
+        return
+    near = warnings[_bisect.bisect_left(lines, f["line"] - _GAP):_bisect.bisect_right(lines, f["line"])]
+    if near:
+        f["errors"] = sorted(near + f["errors"], key=lambda e: e["line"])[:_MAX_ERRORS]
+        f["line"] = min(f["line"], near[0]["line"])
 
 
 def _only_reports_a_death(f):
@@ -1106,6 +1142,8 @@ def failure_signs(lines):
                 m = None
             if m:
                 continue
+        if ln.level in _QUIET_LEVELS and any(w in t for w in _LATENT_WORDS) and _LATENT.search(t):
+            continue  # an optional part's import failure logged as a warning (_LATENT): no failure by itself
         if (ln.level in ("ERROR", "CRITICAL", "FATAL") or _SIGN_WEAK.search(t)) and not _SIGN_HANDLED.search(t) \
                 and not _ADVICE.search(t) \
                 and (served_after is None or served_after < ln.no):
@@ -1137,14 +1175,16 @@ def _sign_finding(signs):
 def scan(text):
     """Every failure in a log, the same failure on several ranks grouped into one finding."""
     lines = normalise(text)
-    failures, latent = [], []
+    failures, latent, nccl_warnings = [], [], []
     for _name, stream_lines in streams(lines):
         stream = _Stream(stream_lines)
         pieces = _chains(stream.scan())
         failures.extend(_attach(pieces))
         latent.extend(stream.latent)
+        nccl_warnings.extend(stream.nccl_warnings)
     failures.sort(key=lambda f: f["line"])
     latent.sort(key=lambda e: e["line"])
+    nccl_warnings.sort(key=lambda e: e["line"])
     # Unprefixed lines next to a failure of a rank (a CUDA error a kernel printed to stderr,
     # just above the rank's traceback) and consequence-only failures join that failure.
     last_real = None
@@ -1192,6 +1232,9 @@ def scan(text):
             f["chain"].insert(0, before[-1])
             f["links"].insert(0, "earlier")
             f["kind"] = "python" if f["kind"] == "errors" else f["kind"]
+    nccl_lines = [w["line"] for w in nccl_warnings]
+    for f in kept:
+        _attach_nccl_warnings(f, nccl_warnings, nccl_lines)
     findings = []
     by_sig = {}
     for f in kept:
