@@ -16,6 +16,7 @@ with the category it leans to. Pure functions; standard library only.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -136,17 +137,21 @@ def _path_tokens(frame: str) -> set[str]:
     return out
 
 
-def line_features(line: str) -> set[str]:
+# (diagnose reads each line's words and cues once per category it weighs, k-fold scoring once
+# per fold and weight: both are pure functions of the line)
+@functools.lru_cache(maxsize=65536)
+def line_features(line: str) -> frozenset[str]:
     """Words (`w:`) and word pairs (`b:`) of one evidence line."""
     words = [w.lower() for w in _WORD.findall(line)]
     words = [w for w in words if len(w) >= 3 and w not in _STOP and w not in GENERIC and not _HEXISH.match(w)]
     feats = {"w:" + w for w in words}
     feats.update("b:%s_%s" % pair for pair in zip(words, words[1:]))
-    return feats
+    return frozenset(feats)
 
 
-def cues_of(line: str) -> list[tuple[str, int]]:
-    return [(cat, w) for cat, w, rxs in _CUES if all(rx.search(line) for rx in rxs)]
+@functools.lru_cache(maxsize=65536)
+def cues_of(line: str) -> tuple[tuple[str, int], ...]:
+    return tuple((cat, w) for cat, w, rxs in _CUES if all(rx.search(line) for rx in rxs))
 
 
 # A wrapper's message with the real error quoted inside it (`Worker failed with error '...'`,
@@ -218,9 +223,20 @@ def _totals(model: dict) -> dict[str, int]:
     return tot
 
 
+def _log_denominators(model: dict) -> dict[str, float]:
+    den = model.get("_log_den")
+    if den is None:
+        a, vocab = model["alpha"], len(model["counts"])
+        den = model["_log_den"] = {c: math.log(n + a * vocab) for c, n in _totals(model).items()}
+    return den
+
+
 def _loglik(model: dict, feat: str, cat: str) -> float:
     a = model["alpha"]
-    return math.log((model["counts"][feat].get(cat, 0) + a) / (_totals(model).get(cat, 0) + a * len(model["counts"])))
+    den = _log_denominators(model).get(cat)
+    if den is None:  # (a category the model never saw: no feature counted in it)
+        den = math.log(a * len(model["counts"]))
+    return math.log(model["counts"][feat].get(cat, 0) + a) - den
 
 
 def classify(feats: set[str], lines: list[str], model: dict | None, cue_weight: float = 1.0,
