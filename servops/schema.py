@@ -201,6 +201,19 @@ ENV = Field("map", keys=ENV_NAME, keys_what="an environment variable name ([A-Za
 SERVER_ARGS = Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs",
                     items=Field("any", nullable=True, check=_scalar_or_list))
 
+
+def _cache_dir_problem(value: str) -> str | None:
+    """jit_cache_dir: one directory every release of the host shares, named the same in the launch
+    script's exports (quoted: no ~ expansion there) and in the ledger servops keeps: so an absolute
+    path, without `..` (a relative or ~ path would be a new directory in each release's own)."""
+    if not value.startswith("/"):
+        return f"{value!r} is not an absolute path: the engines' cache variables get it as written (no ~, no " \
+               f"relative path); write it from / (e.g. /var/cache/servops-jit)"
+    if ".." in value.split("/"):
+        return f"{value!r} holds a '..' component: name the directory itself"
+    return None
+
+
 INVENTORY_VARS = {
     "ssh_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "ssh_port": PORT,
@@ -230,7 +243,7 @@ INVENTORY_VARS = {
     "dist_init_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "dist_init_port": PORT,
     "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
-    "jit_cache_dir": Field("path"),
+    "jit_cache_dir": Field("path", check=_cache_dir_problem),
     "jit_warmup": Field("bool"),
     "jit_warmup_args": SERVER_ARGS,
     "jit_warmup_port": PORT,
