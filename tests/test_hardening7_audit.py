@@ -225,3 +225,53 @@ def test_a_probe_whose_worker_keeps_its_pipe_answers_when_it_ends_and_the_worker
     assert (tmp_path / "forked").exists()
     leftover = subprocess.run(["pgrep", "-f", "h7fork"], capture_output=True, text=True).stdout.split()
     assert [p for p in leftover if int(p) != os.getpid()] == []
+
+
+# ---- the proof over a capture list of 10^4 sizes: a host's engine, answering slowly -----------------
+
+ENGINE = """
+import http.server, json, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+for n in range(2, 10002):  # the capture of 10^4 prefill sizes, as sglang's tqdm line names each
+    print("Capturing num tokens (num_tokens=%d avail_mem=1.0 GB)" % n, flush=True)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(0.2)  # each prefill: 10^4 of them took 2000 s
+        out = json.dumps({"meta_info": {"input_token_logprobs": [[-1.0, i, None] for i in body["input_ids"]]}})
+        self.send_response(200); self.end_headers(); self.wfile.write(out.encode())
+
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_the_proof_over_ten_thousand_captured_sizes_ends_at_its_deadline_each_size_left_unproven(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "h7engine.py").write_text(ENGINE)
+    model = model_with(tmp_path, json.dumps({"num_hidden_layers": 2, "vocab_size": 1000}))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    args = {"op": "audit", "model_path": str(model), "device": "cpu", "patches": [], "shim": "", "server_files": {},
+            "timeout_s": 60, "launch": {"module": "h7engine", "argv": ["--port", "{SERVOPS_AUDIT_PORT}"],
+                                         "env": {"PYTHONPATH": str(lib)}, "health": "/health"},
+            "compare": {"lengths": "captured", "timeout_s": 5, "deadline_s": 4}}
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
+                         capture_output=True, timeout=300, env=dict(os.environ, TMPDIR=str(scratch)))
+    reply = json.loads(res.stdout.strip().splitlines()[-1])
+    assert reply["state"] == "healthy" and len(reply["captured"]) == 10000
+    assert time.monotonic() - started < 120
+    compared = [v for v in reply["logprobs"].values() if isinstance(v, list)]
+    left = [v for v in reply["logprobs"].values() if isinstance(v, dict)]
+    assert 1 <= len(compared) < 100 and len(compared) + len(left) == 10000
+    assert "not compared" in left[-1]["error"]
+    # the proof reads a size not compared as not equal: nothing is proven past the deadline
+    eager = {k: v for k, v in reply["logprobs"].items() if isinstance(v, list)}
+    assert not audit.compare_logprobs(reply["logprobs"], eager, 0.02)["ok"]
+    assert list(scratch.iterdir()) == []

@@ -302,7 +302,8 @@ def run_audit():
             # a prompt and its one new token must fit the context the server was given
             longest = _int(compare.get("context_length") or text.get("max_position_embeddings"), 1 << 30) - 1
             result["logprobs"] = prefill_logprobs(port, [n for n in lengths if 2 <= n <= longest], vocab,
-                                                  float(compare.get("timeout_s") or 60))
+                                                  float(compare.get("timeout_s") or 60),
+                                                  float(compare.get("deadline_s") or PROOF_DEADLINE_S))
             result["compare_skipped"] = [n for n in lengths if n > longest]
         result["ended"] = end_session(proc)
         result["breaks"] = read_breaks(work)
