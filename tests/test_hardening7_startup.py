@@ -145,3 +145,14 @@ def test_a_jit_cache_dir_the_launch_script_and_the_ledger_would_read_differently
     with pytest.raises(ServopsError, match=why):
         schema.coerce(value, schema.INVENTORY_VARS["jit_cache_dir"], "inventory/x.yml: hosts.h1.jit_cache_dir")
     assert schema.coerce("/var/cache/a b/$(id)", schema.INVENTORY_VARS["jit_cache_dir"], "x") == "/var/cache/a b/$(id)"
+
+
+def test_a_journal_entry_whose_fields_are_numbers_or_objects_is_shown_not_a_crash(capsys):
+    from servops.ops import print_history
+    # the host's journal check holds `at` and `action` to text; every other field may be any JSON
+    print_history("h1", [{"at": "2026-12-07T10:00:00Z", "action": "deploy", "release": 7, "to": ["r2"],
+                          "who": {"user": "x"}, "outcome": 3, "start": {"weights_s": -3.0, "start_s": 2.0}},
+                         {"at": "2026-12-07T10:01:00Z", "action": "restart", "release": "r1", "start": "fast"}])
+    out = capsys.readouterr().out
+    # before: TypeError (7 + " -> ..."), and rich's NotRenderableError for an object in a cell
+    assert "7 -> ['r2']" in out and "start to healthy 2.0s" in out and "-3.0" not in out
