@@ -90,3 +90,17 @@ def test_a_warm_up_still_watched_by_its_program_is_left_to_it(tmp_path):
         reply_of(deploy_ctl(root, {"op": "releases"}))
         for pid in warmup_pids(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_port_near_the_top_gets_a_warm_up_port_that_exists_and_is_free(tmp_path):
+    from servops.inventory import Host
+    from servops.prebuild import warmup_port
+    # port 65500's warm-up was 65600: the host program's bind raised OverflowError and failed the deploy
+    port = warmup_port(Host("h1", {"server_port": 65500}))
+    assert port == 65400
+    root = tmp_path / "deploy"
+    (root / "releases" / RELEASE).mkdir(parents=True)
+    reply = reply_of(deploy_ctl(root, {"op": "port_check", "port": port}))
+    assert "error" not in reply
+    assert warmup_port(Host("h1", {"server_port": 30000})) == 30100
+    assert warmup_port(Host("h1", {"server_port": 30000, "jit_warmup_port": 31000})) == 31000
