@@ -156,3 +156,24 @@ def test_a_journal_entry_whose_fields_are_numbers_or_objects_is_shown_not_a_cras
     out = capsys.readouterr().out
     # before: TypeError (7 + " -> ..."), and rich's NotRenderableError for an object in a cell
     assert "7 -> ['r2']" in out and "start to healthy 2.0s" in out and "-3.0" not in out
+
+
+def test_a_full_ledger_whose_entries_another_hand_wrote_is_pruned_and_counted(tmp_path):
+    # 500 keys whose "at" is a number, one whose "starts" is text: TypeError/ValueError out of the gate before
+    entries = {f"k{i}": {"release": "r0", "at": i, "starts": 1} for i in range(500)}
+    entries["k0"]["starts"] = "many"
+    (tmp_path / "servops-ledger.json").write_text(json.dumps({"kinds": {"jit_s": entries}}))
+    res = host_code(f"print(json.dumps(record_built({{'dir': {str(tmp_path)!r}, 'keys': {{'jit_s': 'new'}}}}, "
+                    f"{{'jit_s': 1.0}}, 'r1')))\n"
+                    f"print(json.dumps(record_built({{'dir': {str(tmp_path)!r}, 'keys': {{'jit_s': 'k0'}}}}, {{}}, 'r1')))")
+    assert res.returncode == 0, res.stderr
+    kept = read_ledger_of(tmp_path)["kinds"]["jit_s"]
+    assert len(kept) == 500 and "new" in kept
+
+
+@pytest.mark.parametrize("key", ["port", "--port", "host"])
+def test_warm_up_args_that_move_its_port_are_refused(key):
+    # the pre-build polled jit_warmup_port while the warm-up listened elsewhere: 20 minutes to time out
+    with pytest.raises(ServopsError, match="jit_warmup_port"):
+        schema.coerce({key: 1234, "mem-fraction-static": 0.3}, schema.INVENTORY_VARS["jit_warmup_args"], "x")
+    assert schema.coerce({"mem-fraction-static": 0.3}, schema.INVENTORY_VARS["jit_warmup_args"], "x")

@@ -128,14 +128,17 @@ def _record_built(spec, start, release):
         entries = kinds.setdefault(kind, {})
         seconds = start.get(kind)
         if key in entries:
-            entries[key]["starts"] = int(entries[key].get("starts") or 1) + 1
+            starts = entries[key].get("starts")
+            entries[key]["starts"] = (starts if isinstance(starts, int) and not isinstance(starts, bool) and
+                                      starts > 0 else 1) + 1
             if seconds is not None:
                 entries[key]["warm_s"] = seconds
             continue
         entries[key] = {"release": release, "at": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), "starts": 1}
         if seconds is not None:
             entries[key]["seconds"] = seconds
-        for old in sorted(entries, key=lambda k: entries[k].get("at") or "")[:max(0, len(entries) - LEDGER_MAX_KEYS)]:
+        # oldest first by their "at" text (a number or a list there, from another hand, sorts as its text)
+        for old in sorted(entries, key=lambda k: str(entries[k].get("at") or ""))[:max(0, len(entries) - LEDGER_MAX_KEYS)]:
             del entries[old]
     path = os.path.join(root, LEDGER_NAME)
     tmp = "%s.%d.tmp" % (path, os.getpid())
