@@ -177,3 +177,20 @@ def test_warm_up_args_that_move_its_port_are_refused(key):
     with pytest.raises(ServopsError, match="jit_warmup_port"):
         schema.coerce({key: 1234, "mem-fraction-static": 0.3}, schema.INVENTORY_VARS["jit_warmup_args"], "x")
     assert schema.coerce({"mem-fraction-static": 0.3}, schema.INVENTORY_VARS["jit_warmup_args"], "x")
+
+
+def test_build_times_a_ledger_holds_that_no_build_takes_are_not_an_expectation():
+    from servops import engines, jitcache
+    sglang = engines.get("sglang")
+    argv = ["--model-path", "/m", "--port", "30000"]
+    key = jitcache.keys("sglang", argv, {})["jit_s"]
+    facts = {"dir": "/c", "versions": {}, "ledger": {"kinds": {"jit_s": {
+        "a": {"seconds": float("inf")}, "b": {"seconds": float("nan")}, "c": {"seconds": -5}, "d": {"seconds": 40},
+        key: {"release": "r", "at": "t", "warm_s": float("nan")}}}}}
+    plan = jitcache.plan(sglang, argv, facts)
+    jit = next(k for k in plan.kinds if k.kind == "jit_s")
+    # before: "its latest start spent nans there"; the compile kind's median over inf: "~infs"
+    assert jit.reuse and "nan" not in jit.text()
+    facts["ledger"]["kinds"]["compile_s"] = {"x": {"seconds": float("inf")}, "y": {"seconds": 1e308}, "z": {"seconds": 12}}
+    compile_kind = next(k for k in jitcache.plan(sglang, argv, facts).kinds if k.kind == "compile_s")
+    assert compile_kind.history == [12.0] and "~12s" in compile_kind.text()
