@@ -551,7 +551,7 @@ def append_diff(rel: str, tail: list[str], line_count: int, ends_with_newline: b
 def synthesise(brk: dict, frame: dict, probe: dict, audit_id: str) -> Synthesis:
     """The patch for one break at one wrap point (a chain frame the probe called)."""
     func = frame.get("qualname")
-    if not isinstance(func, str) or not IDENT.fullmatch(func):
+    if not isinstance(func, str) or not IDENT.fullmatch(func) or keyword.iskeyword(func):
         raise CannotWrap(f"{comment_line(frame.get('module'), 80)}.{comment_line(func, 80)} is not a module-level function")
     check_frame(frame)
     if not isinstance(probe.get("signature"), list):

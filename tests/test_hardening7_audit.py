@@ -275,3 +275,21 @@ def test_the_proof_over_ten_thousand_captured_sizes_ends_at_its_deadline_each_si
     eager = {k: v for k, v in reply["logprobs"].items() if isinstance(v, list)}
     assert not audit.compare_logprobs(reply["logprobs"], eager, 0.02)["ok"]
     assert list(scratch.iterdir()) == []
+
+
+def test_a_frame_named_as_a_keyword_or_a_module_path_that_is_not_one_cannot_be_wrapped():
+    record, probe, _ = lab_break()
+    brk = audit.analyse(record, ENGINE_CODE)
+    frame = dict(next(f for f in brk["candidates"] if f"{f['module']}:{f['qualname']}" == QUANT))
+    # `def None(...)` appended to the module: a SyntaxError on import in every host it is deployed to
+    with pytest.raises(synth.CannotWrap, match="not a module-level function"):
+        synth.synthesise(brk, dict(frame, qualname="None"), probe, "h7")
+    with pytest.raises(synth.CannotWrap, match="not a module name"):
+        synth.synthesise(brk, dict(frame, module="labkernels.ops\n__import__('os')"), probe, "h7")
+
+
+def test_escape_sequences_in_a_break_message_never_reach_a_report():
+    record, _, _ = lab_break()
+    record["message"] = "\x1b]0;owned\x07\x1b[2J" + record["message"]
+    brk = audit.analyse(record, ENGINE_CODE)
+    assert all(c.isprintable() for c in brk["reason_line"] + brk["boundary_text"])
