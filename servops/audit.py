@@ -26,7 +26,9 @@ with the release's workaround flag and why.
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -511,11 +513,22 @@ def write_to_store(patches: list[Patch], root: Path | None = None) -> list[str]:
         dest.mkdir(parents=True, exist_ok=True)
         meta = yaml.safe_load(p.path.with_suffix(".yml").read_text())
         meta["synthesised"] = p.synthesised
-        (dest / f"{p.name}.patch").write_text(p.text)
-        (dest / f"{p.name}.yml").write_text(yaml.safe_dump(meta, sort_keys=False, width=100))
+        # metadata first, each file whole by rename: a deploy reading the store meanwhile (another
+        # audit's, racing) sees the old patch or the new one, never a half-written file
+        _write_whole(dest / f"{p.name}.yml", yaml.safe_dump(meta, sort_keys=False, width=100))
+        _write_whole(dest / f"{p.name}.patch", p.text)
         p.path = dest / f"{p.name}.patch"
         names.append(p.name)
     return names
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def describe(outcome: Outcome) -> str:

@@ -293,3 +293,42 @@ def test_escape_sequences_in_a_break_message_never_reach_a_report():
     record["message"] = "\x1b]0;owned\x07\x1b[2J" + record["message"]
     brk = audit.analyse(record, ENGINE_CODE)
     assert all(c.isprintable() for c in brk["reason_line"] + brk["boundary_text"])
+
+
+# ---- two audits racing: their results and the patch store -----------------------------------------------
+
+def test_two_audits_of_a_host_in_one_second_get_directories_of_their_own(tmp_path, monkeypatch):
+    from servops import auditstage
+    monkeypatch.setattr(auditstage, "RESULTS_ROOT", tmp_path)  # (where results go: the test's own)
+    first, second = auditstage.results_dir("lab1"), auditstage.results_dir("lab1")
+    # before: the same path, one audit's candidates and audit.json over the other's
+    assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_a_deploy_reading_the_store_while_an_audit_writes_its_patch_never_reads_it_half_written(tmp_path):
+    import threading
+
+    from servops import patchstore
+    record, probe, _ = lab_break()
+    patch = audit.candidate_patch(synthesised_from(record, probe), tmp_path / "candidates")
+    store = tmp_path / "store"
+    audit.write_to_store([patch], root=store)
+    stop, errors = threading.Event(), []
+
+    def writer():
+        while not stop.is_set():
+            audit.write_to_store([audit.candidate_patch(synthesised_from(record, probe), tmp_path / "candidates")],
+                                 root=store)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(400):
+            try:
+                patchstore.all_patches(store)
+            except patchstore.PatchError as exc:  # before: "contains no file changes", a .yml read empty
+                errors.append(str(exc))
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
