@@ -332,3 +332,16 @@ def test_a_deploy_reading_the_store_while_an_audit_writes_its_patch_never_reads_
         stop.set()
         thread.join()
     assert errors == []
+
+
+def test_a_model_path_under_home_is_read_as_the_launch_check_reads_it(tmp_path):
+    home = tmp_path / "home"
+    (home / "models" / "m").mkdir(parents=True)
+    (home / "models" / "m" / "config.json").write_text(json.dumps({"num_hidden_layers": 10 ** 9}))
+    args = {"op": "audit", "launch": {"module": "nothing", "argv": []}, "model_path": "~/models/m",
+            "device": "cpu", "patches": [], "shim": "", "server_files": {}, "timeout_s": 30}
+    res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
+                         capture_output=True, timeout=60, env=dict(os.environ, HOME=str(home), TMPDIR=str(tmp_path)))
+    reply = json.loads(res.stdout.strip().splitlines()[-1])
+    # before: "cannot open ~/models/m/config.json": every host with a ~ model path went NOT audited
+    assert "not a layer count" in reply["why"]

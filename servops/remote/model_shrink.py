@@ -14,7 +14,7 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 def read_config(model_path):
     """The model's config.json, bounded: a regular file of at most MAX_CONFIG_BYTES."""
     import stat as stat_mod
-    path = os.path.join(model_path, "config.json")
+    path = os.path.join(os.path.expanduser(model_path), "config.json")  # ~/ as the launch check reads it
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
@@ -143,6 +143,7 @@ def shrunk_model(model_path, config, work):
         return None, info
     out = os.path.join(work, "model")
     os.mkdir(out, 0o700)
+    model_path = os.path.expanduser(model_path)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(shrunk, f, indent=1)
     for name in sorted(os.listdir(model_path))[:1000]:
