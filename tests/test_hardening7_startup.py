@@ -194,3 +194,11 @@ def test_build_times_a_ledger_holds_that_no_build_takes_are_not_an_expectation()
     facts["ledger"]["kinds"]["compile_s"] = {"x": {"seconds": float("inf")}, "y": {"seconds": 1e308}, "z": {"seconds": 12}}
     compile_kind = next(k for k in jitcache.plan(sglang, argv, facts).kinds if k.kind == "compile_s")
     assert compile_kind.history == [12.0] and "~12s" in compile_kind.text()
+
+
+@pytest.mark.parametrize("start", [[1, 2], "fast", {"weights_s": -4.0, "jit_s": float("inf"), "capture_s": 2.0}])
+def test_a_tuning_trials_start_up_from_the_host_keeps_plausible_phases_only(start):
+    from servops.tune import Runner
+    # before: a list or text was .items()-ed (AttributeError ended the campaign), -4 s and inf were kept
+    times = Runner._start_times({"elapsed": 9.5, "start": start})
+    assert times["start_s"] == 9.5 and all(0 <= v <= 9.5 for v in times.values())
