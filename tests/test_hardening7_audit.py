@@ -234,6 +234,7 @@ import http.server, json, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 for n in range(2, 10002):  # the capture of 10^4 prefill sizes, as sglang's tqdm line names each
     print("Capturing num tokens (num_tokens=%d avail_mem=1.0 GB)" % n, flush=True)
+print("Capturing num tokens (num_tokens=123456789 avail_mem=1.0 GB)", flush=True)  # past the 7 digits a size has
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -265,7 +266,7 @@ def test_the_proof_over_ten_thousand_captured_sizes_ends_at_its_deadline_each_si
     res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
                          capture_output=True, timeout=300, env=dict(os.environ, TMPDIR=str(scratch)))
     reply = json.loads(res.stdout.strip().splitlines()[-1])
-    assert reply["state"] == "healthy" and len(reply["captured"]) == 10000
+    assert reply["state"] == "healthy" and len(reply["captured"]) == 10000 and 1234567 not in reply["captured"]
     assert time.monotonic() - started < 120
     compared = [v for v in reply["logprobs"].values() if isinstance(v, list)]
     left = [v for v in reply["logprobs"].values() if isinstance(v, dict)]

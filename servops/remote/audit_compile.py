@@ -136,7 +136,7 @@ def captured_sizes(path, max_bytes=64 << 20):
             data = f.read(max_bytes)
     except OSError:
         return []
-    for m in re.finditer(rb"num_tokens=(\d{1,7})", data):
+    for m in re.finditer(rb"num_tokens=(\d{1,7})(?!\d)", data):  # (num_tokens=123456789 is no size 1234567)
         sizes.add(int(m.group(1)))
     return sorted(sizes)
 
