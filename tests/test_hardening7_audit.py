@@ -346,3 +346,30 @@ def test_a_model_path_under_home_is_read_as_the_launch_check_reads_it(tmp_path):
     reply = json.loads(res.stdout.strip().splitlines()[-1])
     # before: "cannot open ~/models/m/config.json": every host with a ~ model path went NOT audited
     assert "not a layer count" in reply["why"]
+
+
+FLOODING_ENGINE = """
+import sys
+while True:  # an engine logging without end, never healthy: the host's disk is the serving server's too
+    sys.stdout.write("x" * 65536 + "\\n")
+"""
+
+
+def test_an_audit_server_flooding_its_log_is_ended_at_the_bound_and_its_work_dir_removed(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "h7flooder.py").write_text(FLOODING_ENGINE)
+    model = model_with(tmp_path, json.dumps({"num_hidden_layers": 2}))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    args = {"op": "audit", "model_path": str(model), "device": "cpu", "patches": [], "shim": "", "server_files": {},
+            "timeout_s": 120, "max_log_bytes": 32 << 20,
+            "launch": {"module": "h7flooder", "argv": [], "env": {"PYTHONPATH": str(lib)}, "health": "/health"}}
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
+                         capture_output=True, timeout=300, env=dict(os.environ, TMPDIR=str(scratch)))
+    reply = json.loads(res.stdout.strip().splitlines()[-1])
+    # before: written on until the 120 s deadline (gigabytes on the serving host's disk)
+    assert reply["state"] == "flooded its log" and reply["ended"] and time.monotonic() - started < 60
+    assert list(scratch.iterdir()) == []
+    assert subprocess.run(["pgrep", "-f", "h7flooder"], capture_output=True).returncode == 1

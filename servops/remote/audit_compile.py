@@ -277,7 +277,7 @@ def run_audit():
             if proc.poll() is not None:
                 state = "exited"
                 break
-            if os.path.getsize(log_path) > MAX_SERVER_LOG:
+            if os.path.getsize(log_path) > int(ARGS.get("max_log_bytes") or MAX_SERVER_LOG):
                 state = "flooded its log"
                 break
             if read_breaks(work):
