@@ -373,3 +373,12 @@ def test_an_audit_server_flooding_its_log_is_ended_at_the_bound_and_its_work_dir
     assert reply["state"] == "flooded its log" and reply["ended"] and time.monotonic() - started < 60
     assert list(scratch.iterdir()) == []
     assert subprocess.run(["pgrep", "-f", "h7flooder"], capture_output=True).returncode == 1
+
+
+def test_a_config_of_150000_keys_and_4096_layers_is_shrunk_in_seconds():
+    config = {f"k{i}": i for i in range(150000)}  # 2.6 MB: under the 4 MB read bound
+    config.update(num_hidden_layers=4096, num_experts=8, mlp_only_layers=list(range(0, 4096, 2)))
+    started = time.monotonic()
+    shrunk, info = shrink_config(config)
+    # before: every key walked once per layer, 186 s of the audit program's CPU on this machine
+    assert info == {"layers": 4096, "kept": 2, "kinds": 2} and time.monotonic() - started < 10

@@ -69,17 +69,37 @@ def layer_count_problem(value):
 def layer_kind(config, i, n):
     """What makes layer i of this config differ from another (dense or MoE MLP, attention type,
     RoPE or not), from the config's own per-layer rules and per-layer lists."""
+    return _layer_kind(_per_layer(config, n), i)
+
+
+RULE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "mlp_only_layers",
+             "first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq",
+             "full_attention_interval", "sliding_window_pattern")
+
+
+def _per_layer(config, n):
+    """The part of a config that tells layers apart, taken once: its per-layer lists and pattern
+    strings and the rule keys (a 4 MB config of 150,000 keys was walked once per layer: minutes)."""
+    view = {key: value for key, value in config.items()
+            if (isinstance(value, list) and len(value) == n and key != "architectures")
+            or (isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"))}
+    rules = {key: config[key] for key in RULE_KEYS if key in config}
+    rules["mlp_only_layers"] = set(_layer_list(config.get("mlp_only_layers")))
+    return sorted(view.items()), rules
+
+
+def _layer_kind(per_layer, i):
+    fields, config = per_layer
     kind = []
-    for key in sorted(config):
-        value = config[key]
-        if isinstance(value, list) and len(value) == n and key != "architectures":
+    for key, value in fields:
+        if isinstance(value, list):
             kind.append((key, json.dumps(value[i], sort_keys=True)))
-        elif isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"):
+        else:
             kind.append((key, value[i]))  # Nemotron-H's hybrid_override_pattern: one character a layer
     experts = _int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
                    or config.get("moe_num_experts"))
     if experts:
-        dense = i in _layer_list(config.get("mlp_only_layers"))
+        dense = i in config["mlp_only_layers"]
         first_k = config.get("first_k_dense_replace")
         if first_k is not None and i < _int(first_k):
             dense = True
@@ -111,7 +131,8 @@ def shrink_config(config):
     n = _int(target[key])
     if _int(target.get("first_k_dense_replace")) > 1:  # DeepSeek/GLM: one dense layer is a dense layer
         target["first_k_dense_replace"] = 1
-    kinds = [layer_kind(target, i, n) for i in range(n)]
+    per_layer = _per_layer(target, n)
+    kinds = [_layer_kind(per_layer, i) for i in range(n)]
     wanted = set(kinds)
     keep, seen = n, set()
     for i, kind in enumerate(kinds):
