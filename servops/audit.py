@@ -400,6 +400,8 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
         rnd = Round(number, one_line(res.get("state", "?"), 40), patches=[p.name for p in patches],
                     elapsed_s=_seconds(res.get("elapsed_s")), captured=_sizes(res.get("captured")))
         outcome.rounds.append(rnd)
+        if res.get("journal_problem"):
+            say(f"round {number}: warning: {one_line(res['journal_problem'], 300)}")
         if rnd.state == "not-audited":
             outcome.verdict, outcome.why = "not-audited", one_line(res.get("why"), 1500)
             rnd.detail = outcome.why

@@ -382,3 +382,20 @@ def test_a_config_of_150000_keys_and_4096_layers_is_shrunk_in_seconds():
     shrunk, info = shrink_config(config)
     # before: every key walked once per layer, 186 s of the audit program's CPU on this machine
     assert info == {"layers": 4096, "kept": 2, "kinds": 2} and time.monotonic() - started < 10
+
+
+def test_an_audit_whose_journal_cannot_be_written_still_answers(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "h7exits.py").write_text("raise SystemExit(4)\n")  # an engine that ends at once
+    model = model_with(tmp_path, json.dumps({"num_hidden_layers": 2}))
+    journal = tmp_path / "deploy" / "journal.jsonl"
+    journal.mkdir(parents=True)  # its name taken by a directory (or a full disk): append fails
+    args = {"op": "audit", "model_path": str(model), "device": "cpu", "patches": [], "shim": "", "server_files": {},
+            "timeout_s": 60, "journal": str(journal), "journal_entry": {"action": "audit"},
+            "launch": {"module": "h7exits", "argv": [], "env": {"PYTHONPATH": str(lib)}}}
+    res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
+                         capture_output=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    # before: IsADirectoryError after the whole audit, its answer lost ("remote audit_compile failed")
+    reply = json.loads(res.stdout.strip().splitlines()[-1])
+    assert reply["state"] == "exited" and reply["exit_code"] == 4 and "not written" in reply["journal_problem"]

@@ -311,9 +311,12 @@ def run_audit():
         result["elapsed_s"] = round(time.monotonic() - started, 2)
         if ARGS.get("journal"):
             breaks = result["breaks"]
-            append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
-                "%d break(s): %s" % (len(breaks), str(breaks[0].get("message") or "").strip().split("\n")[0][:200])
-                if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
+            try:
+                append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
+                    "%d break(s): %s" % (len(breaks), str(breaks[0].get("message") or "").strip().split("\n")[0][:200])
+                    if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
+            except (OSError, ValueError, FileProblem) as exc:  # the audit's answer is not lost to its journal
+                result["journal_problem"] = "journal %s not written: %s" % (ARGS["journal"], exc)
         reply(result)
     finally:
         if proc is not None and proc.poll() is None:
