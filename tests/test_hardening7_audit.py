@@ -399,3 +399,24 @@ def test_an_audit_whose_journal_cannot_be_written_still_answers(tmp_path):
     # before: IsADirectoryError after the whole audit, its answer lost ("remote audit_compile failed")
     reply = json.loads(res.stdout.strip().splitlines()[-1])
     assert reply["state"] == "exited" and reply["exit_code"] == 4 and "not written" in reply["journal_problem"]
+
+
+@pytest.mark.parametrize("proven, outcome", [("yes", "refused"), ({"ok": "false"}, "unproven"), ({"ok": 1}, "unproven"),
+                                              ({"ok": True}, "proven")])
+def test_a_stored_patch_whose_proof_was_edited_by_hand_is_refused_or_unproven(tmp_path, proven, outcome):
+    import yaml
+
+    from servops import patchstore
+    record, probe, _ = lab_break()
+    patch = audit.candidate_patch(synthesised_from(record, probe), tmp_path / "candidates")
+    patch.synthesised = dict(patch.synthesised, proven=proven)
+    store = tmp_path / "store"
+    audit.write_to_store([patch], root=store)
+    meta = yaml.safe_load((store / patch.distribution / f"{patch.name}.yml").read_text())
+    assert meta["synthesised"]["proven"] == proven
+    # before: proven 'yes' raised AttributeError in every covering check; ok 'false' (quoted) counted as proven
+    if outcome == "refused":
+        with pytest.raises(patchstore.PatchError, match="synthesised.proven"):
+            patchstore.all_patches(store)
+    else:
+        assert patchstore.all_patches(store)[0].proven() is (outcome == "proven")
