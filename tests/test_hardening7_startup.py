@@ -202,3 +202,11 @@ def test_a_tuning_trials_start_up_from_the_host_keeps_plausible_phases_only(star
     # before: a list or text was .items()-ed (AttributeError ended the campaign), -4 s and inf were kept
     times = Runner._start_times({"elapsed": 9.5, "start": start})
     assert times["start_s"] == 9.5 and all(0 <= v <= 9.5 for v in times.values())
+
+
+def test_phases_summed_past_the_whole_start_are_left_out():
+    # 2,000 JIT modules opened and never finished, each counted to the log's end: 2,000 x 60 s in a 70 s start
+    lines = [f"[2026-12-07 10:00:{i % 10:02d}] flashinfer.jit: Loading JIT ops: m{i}" for i in range(2000)]
+    lines.append("[2026-12-07 10:01:10] Load weight end. elapsed=5 s")
+    phases = start_phases(lines, total=70.0)
+    assert "jit_s" not in phases and phases["weights_s"] == 5.0 and phases["other_s"] == 65.0
