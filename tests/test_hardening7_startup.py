@@ -132,6 +132,13 @@ def test_a_cache_dir_anyone_can_write_or_that_is_a_file_is_unsafe_a_new_one_is_n
     link = tmp_path / "to-root"
     link.symlink_to("/")
     assert "is /" in unsafe(link)  # the engines' caches and the ledger would be written at the root
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    if os.getuid() == 0:  # (as root the test can hand it to another user; as anyone else, root's /usr is theirs)
+        os.chown(theirs, 65534, 65534)
+    else:
+        theirs = Path("/usr")
+    assert "owned by uid" in unsafe(theirs)
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
     assert unsafe(mine) is None and unsafe(tmp_path / "new" / "jit") is None
