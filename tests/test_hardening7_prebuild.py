@@ -104,3 +104,23 @@ def test_a_server_port_near_the_top_gets_a_warm_up_port_that_exists_and_is_free(
     assert "error" not in reply
     assert warmup_port(Host("h1", {"server_port": 30000})) == 30100
     assert warmup_port(Host("h1", {"server_port": 30000, "jit_warmup_port": 31000})) == 31000
+
+
+def test_discarding_a_release_whose_warm_up_still_runs_ends_the_warm_up_first(tmp_path):
+    root = tmp_path / "deploy"
+    (root / "releases" / RELEASE).mkdir(parents=True)
+    tag, port = f"{os.getpid()}-discard", free_port()
+    running = deploy_ctl(root, {"op": "warmup", "name": RELEASE, "port": port, "health": {}, "timeout": 120,
+                                "script": SERVER.format(port=port, tag=tag)})
+    try:
+        assert wait_for(lambda: warmup_pids(tag))
+        # the aborted deploy's undo (Ctrl-C mid pre-build), its warm-up program not yet gone: before, the
+        # release directory was removed under the warm-up server, whose owner file went with it (never swept)
+        reply = reply_of(deploy_ctl(root, {"op": "discard", "name": RELEASE}))
+        assert reply["removed"] == RELEASE and not (root / "releases" / RELEASE).exists()
+        assert wait_for(lambda: not warmup_pids(tag), 5)
+    finally:
+        running.kill()
+        running.wait()
+        for pid in warmup_pids(tag):
+            os.kill(pid, signal.SIGKILL)

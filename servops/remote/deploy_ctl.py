@@ -327,6 +327,8 @@ def op_discard():
     d = release_dir(ARGS["name"])
     if current_name() == ARGS["name"]:
         fail("release %s is current; not removing it" % ARGS["name"])
+    if warmup_processes(d):  # a warm-up its aborted deploy left running (Ctrl-C mid pre-build): ended first
+        end_warmup(d, None)
     shutil.rmtree(d, ignore_errors=True)
     return {"removed": ARGS["name"]}
 
@@ -927,7 +929,8 @@ def end_warmup(d, pgid, grace=10.0, poll=0.25):
     """SIGTERM to the warm-up's group and every process carrying its mark, the grace, SIGKILL;
     returns how many were ended and whether any survived."""
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        if pgid is not None and pgid > 1:  # (None: no group known; every marked process is still found)
+            os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
     seen, deadline, sig = {}, time.monotonic() + grace, signal.SIGTERM
@@ -973,8 +976,7 @@ def orphan_warmups():
             pid, start, pgid = 0, "", 0
         if pid and proc_starttime(pid) == start:
             continue  # its warm-up still runs, watched
-        if pgid > 1:
-            end_warmup(d, pgid)
+        end_warmup(d, pgid)
         os.unlink(owner)
         ended.append(name)
     return ended
