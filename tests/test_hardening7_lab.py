@@ -58,3 +58,15 @@ def test_a_jit_cache_dir_that_is_unsafe_or_a_file_is_refused_before_anything_cha
     releases = root_of(lab) / "releases"
     assert not releases.exists() or list(releases.iterdir()) == []
     assert not (cache.is_dir() and any(cache.iterdir()))  # no kernel cache, no ledger made there
+
+
+def test_a_jit_cache_dir_with_spaces_and_a_command_substitution_is_one_literal_directory(lab, tmp_path):
+    pwned = tmp_path / "pwned"
+    cache = tmp_path / f"jit cache $(touch {pwned})"
+    inv = lab.inventory(host_vars={"lab1": {"env": {"CUDA_HOME": str(lab.cuda_home()), "SGLANG_DOUBLE_JIT_TIME": "0.1"},
+                                            "jit_cache_dir": str(cache)}})
+    env = {"SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, **VARIANTS))}
+    code, out = invoke(inv, env, "deploy", "--variant", "plain", "-H", "lab1")
+    assert code == 0, out
+    assert not pwned.exists()  # quoted in the launch script's exports: never run by the shell
+    assert (cache / "servops-ledger.json").is_file() and oct((cache / "servops-ledger.json").stat().st_mode)[-3:] == "600"
