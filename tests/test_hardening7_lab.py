@@ -70,3 +70,21 @@ def test_a_jit_cache_dir_with_spaces_and_a_command_substitution_is_one_literal_d
     assert code == 0, out
     assert not pwned.exists()  # quoted in the launch script's exports: never run by the shell
     assert (cache / "servops-ledger.json").is_file() and oct((cache / "servops-ledger.json").stat().st_mode)[-3:] == "600"
+
+
+# ---- the audit of a host whose model config lies, end to end -------------------------------------------
+
+def test_a_compiling_deploy_onto_a_host_whose_model_config_lies_is_not_audited_and_goes_on(lab, sglang_release,
+                                                                                           tmp_path):
+    from test_audit_lab import CONFIG, VARIANTS as AUDIT_VARIANTS
+    from test_sglang_releases import release_lab
+    model = tmp_path / "model"
+    model.mkdir()
+    # JSON's Infinity as the layer count: an OverflowError out of the host's audit program before
+    (model / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=float("inf"))))
+    inv, _port = release_lab(lab, sglang_release("0.5.21"), tmp_path, model_path=str(model), audit_device="cpu")
+    env = {"SERVOPS_PLAYBOOKS": str(playbooks_with(tmp_path, **AUDIT_VARIANTS)), "SERVOPS_RESULTS": str(tmp_path / "r")}
+    res = run_invoke("audit", "--variant", "fp8pw", "-H", "lab1", inventory=inv, env=env, timeout=600)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0 and "NOT audited" in text and "num_hidden_layers: inf is not a whole number" in text, text
+    assert "Traceback" not in text and "OverflowError" not in text
