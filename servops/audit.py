@@ -26,7 +26,9 @@ with the release's workaround flag and why.
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,13 +80,19 @@ def is_library_frame(frame: dict) -> bool:
 CALLEE = re.compile(r"(?:function|builtin) `([^`]+?)\.?`(?: in file `([^`]+)`)?")
 
 
+def one_line(text: object, limit: int = 300) -> str:
+    """A host's text as one line of printable characters (it goes into reports, the journal and the
+    synthesised patch's comments, where a newline would start a line of its own)."""
+    return "".join(c if c.isprintable() else " " for c in " ".join(str(text).split()))[:limit]
+
+
 def _reason_line(record: dict) -> str:
     """Dynamo's first line, with the callee it named ("import_module in __init__.py", "posix.stat")."""
     message = str(record.get("message") or "")[:20000]
     first = message.strip().splitlines()[0] if message.strip() else str(record.get("type") or "dynamo break")
     m = CALLEE.search(message)
     callee = f" ({m[1]}{' in ' + m[2].rsplit('/', 1)[-1] if m[2] else ''})" if m else ""
-    return (first + callee)[:300]
+    return one_line(first + callee)
 
 
 def _callee(record: dict) -> str | None:
@@ -104,13 +112,30 @@ def sizes_of(chain: list[dict]) -> list[int]:
 
 
 def _where(frame: dict) -> str:
-    return f"{frame.get('module')}.{frame.get('qualname')}"
+    return one_line(f"{frame.get('module')}.{frame.get('qualname')}", 200)
+
+
+def _frame(frame: dict) -> dict:
+    """A chain frame as the shim records one, its parts of the types the analysis reads (the record
+    comes from the host: a part of another type is dropped, never a crash of the controller)."""
+    out = dict(frame)
+    args, kwargs = frame.get("args"), frame.get("kwargs")
+    out["args"] = [a for a in args if isinstance(a, dict)] if isinstance(args, list) else []
+    out["kwargs"] = {str(k): v for k, v in kwargs.items() if isinstance(v, dict)} if isinstance(kwargs, dict) else {}
+    if not isinstance(frame.get("called_from"), dict):
+        out.pop("called_from", None)
+    for value in out["args"] + list(out["kwargs"].values()):
+        shape = value.get("shape")
+        if shape is not None and not isinstance(shape, list):
+            value["shape"] = []
+    return out
 
 
 def analyse(record: dict, packages: tuple[str, ...]) -> dict:
     """One break record -> reason, frames, the boundary (the last engine frame and the callee it
     enters), the captured size, and the wrap candidates (innermost first)."""
-    chain = [f for f in (record.get("chain") or []) if isinstance(f, dict)]
+    chain = record.get("chain") if isinstance(record.get("chain"), list) else []
+    chain = [_frame(f) for f in chain[:200] if isinstance(f, dict)]
     engine_at = [i for i, f in enumerate(chain) if is_engine_frame(f, packages)]
     callee = _callee(record)
     if engine_at:
@@ -226,7 +251,7 @@ def probe_request(frame: dict, captured: list[int]) -> dict:
     statics: list[int] = []
     for v in values:
         for d in (v.get("shape") or []) if v.get("kind") == "tensor" else []:
-            if isinstance(d, dict) and d.get("hint") is not None:
+            if isinstance(d, dict) and isinstance(d.get("hint"), int) and isinstance(d.get("sym"), str):
                 symbols.setdefault(d["sym"], int(d["hint"]))
             elif isinstance(d, int) and d > 1 and d not in statics:
                 statics.append(d)
@@ -276,6 +301,10 @@ def compare_logprobs(compiled: dict, eager: dict, tolerance: float) -> dict:
             "ok": bool(rows) and all(r["ok"] for r in rows)}
 
 
+def _lines(value) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _what(value) -> str:
     if isinstance(value, list):
         return f"{len(value)} logprobs"
@@ -293,6 +322,18 @@ class Outcome:
     why: str = ""
     workaround: str = ""
     uncovered: list[dict] = field(default_factory=list)
+
+
+def _seconds(value) -> float:
+    """A host's elapsed seconds (0 for anything that is not a finite non-negative number)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+    return float(value) if ok else 0.0
+
+
+def _sizes(value) -> list[int]:
+    """The captured sizes a host reported: whole positive numbers only, each once, in order."""
+    items = value if isinstance(value, list) else []
+    return sorted({v for v in items if isinstance(v, int) and not isinstance(v, bool) and v > 0})
 
 
 def record_breaks(res: dict, packages: tuple[str, ...]) -> list[dict]:
@@ -356,11 +397,13 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
         patches = plan.fix_set + added
         res = run_audit(plan.hs, launch, patches, variant=plan.variant, files=files, round_no=number,
                         compare=dict(compare, lengths="captured") if unproven else None)
-        rnd = Round(number, res.get("state", "?"), patches=[p.name for p in patches],
-                    elapsed_s=float(res.get("elapsed_s") or 0), captured=list(res.get("captured") or []))
+        rnd = Round(number, one_line(res.get("state", "?"), 40), patches=[p.name for p in patches],
+                    elapsed_s=_seconds(res.get("elapsed_s")), captured=_sizes(res.get("captured")))
         outcome.rounds.append(rnd)
+        if res.get("journal_problem"):
+            say(f"round {number}: warning: {one_line(res['journal_problem'], 300)}")
         if rnd.state == "not-audited":
-            outcome.verdict, outcome.why = "not-audited", str(res.get("why"))
+            outcome.verdict, outcome.why = "not-audited", one_line(res.get("why"), 1500)
             rnd.detail = outcome.why
             say(f"round {number}: not audited: {outcome.why}")
             return outcome
@@ -369,7 +412,7 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
             if rnd.state != "healthy":
                 outcome.verdict = "failed"
                 outcome.why = (f"the audit server ended {rnd.state} (exit {res.get('exit_code')}) without a dynamo "
-                               f"break: " + " | ".join((res.get("log_tail") or [])[-3:]))[:1500]
+                               f"break: " + " | ".join(map(one_line, _lines(res.get("log_tail"))[-3:])))[:1500]
                 rnd.detail = outcome.why
                 say(f"round {number}: {outcome.why}")
                 return outcome
@@ -420,6 +463,8 @@ def prove(plan: Plan, files: dict[str, str], compare: dict, patches: list[Patch]
     """The compiled prefill equals the eager one at every captured size: the eager reference is
     the same audit server with the prefill graph off."""
     compiled = res.get("logprobs")
+    if isinstance(compiled, dict):  # keyed by the sizes as text; any other key is not a size
+        compiled = {str(k): v for k, v in compiled.items() if str(k).isdigit() and len(str(k)) <= 9}
     if not isinstance(compiled, dict) or not compiled:
         outcome.verdict = "failed"
         outcome.why = ("the audit passed with the synthesised patches, but the engine gave no prefill logprobs to "
@@ -435,7 +480,7 @@ def prove(plan: Plan, files: dict[str, str], compare: dict, patches: list[Patch]
     if not isinstance(eager, dict):
         outcome.verdict = "failed"
         outcome.why = (f"the eager reference server ended {ref.get('state')}: not proven, nothing deployed; "
-                       + " | ".join((ref.get("log_tail") or [])[-2:]))[:1500]
+                       + " | ".join(map(one_line, _lines(ref.get("log_tail"))[-2:])))[:1500]
         say(outcome.why)
         return False
     result = compare_logprobs(compiled, eager, tolerance)
@@ -470,11 +515,22 @@ def write_to_store(patches: list[Patch], root: Path | None = None) -> list[str]:
         dest.mkdir(parents=True, exist_ok=True)
         meta = yaml.safe_load(p.path.with_suffix(".yml").read_text())
         meta["synthesised"] = p.synthesised
-        (dest / f"{p.name}.patch").write_text(p.text)
-        (dest / f"{p.name}.yml").write_text(yaml.safe_dump(meta, sort_keys=False, width=100))
+        # metadata first, each file whole by rename: a deploy reading the store meanwhile (another
+        # audit's, racing) sees the old patch or the new one, never a half-written file
+        _write_whole(dest / f"{p.name}.yml", yaml.safe_dump(meta, sort_keys=False, width=100))
+        _write_whole(dest / f"{p.name}.patch", p.text)
         p.path = dest / f"{p.name}.patch"
         names.append(p.name)
     return names
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def describe(outcome: Outcome) -> str:

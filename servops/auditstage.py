@@ -44,7 +44,18 @@ def launch_compiles(engine: engines.Engine, args: dict, version: str | None) -> 
 
 
 def results_dir(host: str) -> Path:
-    return RESULTS_ROOT / "audit" / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}"
+    """This audit's own directory (made here): two audits of a host in one second (two deploys
+    racing, a deploy beside `invoke audit`) once shared one, their candidates and audit.json mixed."""
+    base = RESULTS_ROOT / "audit" / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{host}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ServopsError(f"{base}: a thousand audits of {host} this second; not one more")
 
 
 def run(plan: Plan, *, fix: bool, rounds: int, tolerance: float, phases: Phases) -> tuple[Outcome, Path]:

@@ -29,6 +29,7 @@ import statistics
 from dataclasses import dataclass
 
 from .inventory import Host
+from .remote.startlog import MAX_PHASE_S
 
 KINDS = {"jit_s": "JIT kernels", "compile_s": "torch.compile"}
 NOT_KERNEL = frozenset({
@@ -145,10 +146,17 @@ def plan(engine, argv: list[str], facts: dict | None) -> CachePlan | None:
         entries = found.get(kind) if isinstance(found.get(kind), dict) else {}
         key = launch_keys[kind]
         entry = entries.get(key) if isinstance(entries.get(key), dict) else None
+        if entry is not None and not _plausible(entry.get("warm_s")):
+            entry = {k: v for k, v in entry.items() if k != "warm_s"}
         history = [float(e["seconds"]) for k, e in entries.items()
-                   if k != key and isinstance(e, dict) and isinstance(e.get("seconds"), (int, float))]
+                   if k != key and isinstance(e, dict) and _plausible(e.get("seconds"))]
         kinds.append(KindPlan(kind, names, entry is not None, key, entry, history))
     return CachePlan(str(facts.get("dir")), kinds, ledger.get("damaged"))
+
+
+def _plausible(seconds) -> bool:
+    """A build time a ledger may hold (the host's file: NaN, Infinity, -5 or 1e308 are not one)."""
+    return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds <= MAX_PHASE_S
 
 
 def warmup_wanted(cache_plan: CachePlan | None, host: Host, nodes: int = 1) -> str | None:

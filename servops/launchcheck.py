@@ -342,6 +342,9 @@ def verdict(host: Host, variant: dict, resolved: dict, applied: list[str], launc
                         f"models: the launch fails unless something else serves it (--model-impl transformers, "
                         f"an external model package)")
     problems.extend(_fact_problems(check, result, res))
+    unsafe = (res.get("caches") or {}).get("unsafe") if isinstance(res.get("caches"), dict) else None
+    if unsafe:  # refused before anything stops: the inventory's jit_cache_dir is fixed first
+        problems.append(f"jit_cache_dir: {str(unsafe)[:300]}; fix the directory or the inventory's jit_cache_dir")
     warnings.extend(gpu_fact_warnings(res.get("gpus")))
     if module not in DOUBLE_MODULES:
         warnings.extend(gpu_user_warnings((res.get("gpus") or {}).get("users") or []))

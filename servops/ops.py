@@ -174,11 +174,12 @@ def history(hs: HostSession, last: int) -> tuple[str, str, list]:
 def print_history(host: str, entries: list[dict]) -> None:
     t = table(f"{host}: history", ["when", "who", "action", "release", "outcome", "detail"])
     for e in entries:
-        release = e.get("release") or e.get("patch") or "-"
+        # a journal line is the host's: any field may be a number, a list or an object (each cell text)
+        release = str(e.get("release") or e.get("patch") or "-")
         if e.get("to"):
             release += f" -> {e['to']}"
         start = startup.clean(e.get("start"))
         detail = str(e.get("detail") or e.get("why") or "") + (f"; {startup.text(start)}" if start else "")
-        t.add_row(e.get("at", "-"), str(e.get("who") or "-"), e.get("action", "-"), release,
+        t.add_row(str(e.get("at", "-")), str(e.get("who") or "-"), str(e.get("action", "-")), release,
                   str(e.get("outcome") or "-"), detail)
     print_table(t)

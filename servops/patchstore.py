@@ -58,7 +58,8 @@ class Patch:
 
     def proven(self) -> bool:
         """A hand-written patch is reviewed; a synthesised one only counts once its audit proof passed."""
-        return not self.synthesised or bool((self.synthesised.get("proven") or {}).get("ok"))
+        proof = self.synthesised.get("proven") if self.synthesised else None
+        return not self.synthesised or (isinstance(proof, dict) and proof.get("ok") is True)  # 'false' is no proof
 
     def remote_spec(self) -> dict:
         return {"name": self.name, "dist": self.distribution, "text": self.text, "strip": self.strip,
@@ -132,6 +133,9 @@ def load_patch(path: Path) -> Patch:
     synthesised = meta.get("synthesised")
     if synthesised is not None and not (isinstance(synthesised, dict) and isinstance(synthesised.get("wraps"), str)):
         raise PatchError(f"{meta_path}: 'synthesised' must be a mapping naming what the patch wraps (module:function)")
+    if synthesised is not None and not isinstance(synthesised.get("proven") or {}, dict):
+        raise PatchError(f"{meta_path}: 'synthesised.proven' must be the audit's proof (a mapping), not "
+                         f"{str(synthesised.get('proven'))[:60]!r}")
     return Patch(name=path.stem, distribution=dist, text=text, applies_to=spec, why=str(meta["why"]).strip(),
                  files=list(meta["files"]), strip=strip, preflight=preflight, path=path, synthesised=synthesised)
 

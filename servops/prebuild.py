@@ -20,6 +20,7 @@ from .bringup import health_timeout, signatures
 from .inventory import Host
 from .jitcache import CachePlan
 from .progress import Phases
+from .errors import RemoteError
 from .render import Launch, render_launch
 from .transport import HostSession
 
@@ -27,7 +28,12 @@ WARMUP_PORT_OFFSET = 100
 
 
 def warmup_port(host: Host) -> int:
-    return int(host.get("jit_warmup_port") or int(host.require("server_port")) + WARMUP_PORT_OFFSET)
+    """The host's jit_warmup_port, else the server's port + 100 (- 100 where + 100 is past 65535:
+    port 65500's warm-up on 65600 raised OverflowError in the host program and failed the deploy)."""
+    if host.get("jit_warmup_port"):
+        return int(host.get("jit_warmup_port"))
+    port = int(host.require("server_port"))
+    return port + WARMUP_PORT_OFFSET if port + WARMUP_PORT_OFFSET <= 65535 else port - WARMUP_PORT_OFFSET
 
 
 def warmup_launch(host: Host, resolved: dict) -> Launch:
@@ -46,12 +52,16 @@ def run(hs: HostSession, release: str, resolved: dict, meta: dict, cache_plan: C
     phases.step("prebuild", f"{hs.host.name}: {why}: starting {release} beside the serving server on port {port}"
                             + (f" (expected ~{expected:.0f}s)" if expected else ""))
     timeout = health_timeout(hs, meta["health"])
-    with phases.wait(f"pre-build of {release}", timeout) as wait:
-        res = releases.ctl(hs, "warmup", ssh_timeout=int(timeout) + 120,
-                           on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
-                           name=release, port=port, script=warmup_launch(hs.host, resolved).script,
-                           health=meta["health"], timeout=timeout, signatures=signatures(meta),
-                           caches=cache_plan.record_spec())
+    try:
+        with phases.wait(f"pre-build of {release}", timeout) as wait:
+            res = releases.ctl(hs, "warmup", ssh_timeout=int(timeout) + 120,
+                               on_progress=lambda p: wait.update(p["progress"], p.get("log", "")),
+                               name=release, port=port, script=warmup_launch(hs.host, resolved).script,
+                               health=meta["health"], timeout=timeout, signatures=signatures(meta),
+                               caches=cache_plan.record_spec())
+    except RemoteError as exc:  # the host program refused or failed: a warm-up that could not run changes nothing
+        phases.step("warning", f"{hs.host.name}: pre-build could not run ({exc}); the restart builds the kernels")
+        return {"state": "failed", "reason": str(exc)}
     ended = res.get("ended") or {}
     if ended.get("survivors"):
         phases.step("warning", f"{hs.host.name}: warm-up processes {ended['survivors']} survived SIGKILL")

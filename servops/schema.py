@@ -201,6 +201,27 @@ ENV = Field("map", keys=ENV_NAME, keys_what="an environment variable name ([A-Za
 SERVER_ARGS = Field("map", keys=FLAG, keys_what="a flag name like cuda-graph-max-bs",
                     items=Field("any", nullable=True, check=_scalar_or_list))
 
+
+def _warmup_args_problem(args: dict) -> str | None:
+    """jit_warmup_args change the warm-up's flags over the release's, never where it listens: the
+    pre-build waits for health on jit_warmup_port, and a warm-up on the serving port fails to bind."""
+    moved = [k for k in args if k.lstrip("-").replace("_", "-") in ("port", "host")]
+    return (f"{', '.join(moved)} cannot be set here: the warm-up listens on jit_warmup_port (set that)"
+            if moved else None)
+
+
+def _cache_dir_problem(value: str) -> str | None:
+    """jit_cache_dir: one directory every release of the host shares, named the same in the launch
+    script's exports (quoted: no ~ expansion there) and in the ledger servops keeps: so an absolute
+    path, without `..` (a relative or ~ path would be a new directory in each release's own)."""
+    if not value.startswith("/"):
+        return f"{value!r} is not an absolute path: the engines' cache variables get it as written (no ~, no " \
+               f"relative path); write it from / (e.g. /var/cache/servops-jit)"
+    if ".." in value.split("/"):
+        return f"{value!r} holds a '..' component: name the directory itself"
+    return None
+
+
 INVENTORY_VARS = {
     "ssh_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "ssh_port": PORT,
@@ -230,9 +251,10 @@ INVENTORY_VARS = {
     "dist_init_host": Field("str", pattern=HOSTNAME, what="a host name or address"),
     "dist_init_port": PORT,
     "secret_vars": Field("list", items=Field("str", pattern=ENV_NAME, what="an environment variable name")),
-    "jit_cache_dir": Field("path"),
+    "jit_cache_dir": Field("path", check=_cache_dir_problem),
     "jit_warmup": Field("bool"),
-    "jit_warmup_args": SERVER_ARGS,
+    "jit_warmup_args": Field("map", keys=FLAG, keys_what="a flag name like mem-fraction-static",
+                             items=Field("any", nullable=True, check=_scalar_or_list), check=_warmup_args_problem),
     "jit_warmup_port": PORT,
     # the audit of the compiled region (servops/audit.py): where its side server runs (cuda, or cpu for
     # an engine that needs no GPU: the lab's double), the static memory share and headroom it takes on

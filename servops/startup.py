@@ -4,7 +4,7 @@ which phase grew beyond its noise against the previous start. Pure."""
 
 from __future__ import annotations
 
-from .remote.startlog import START_PHASES
+from .remote.startlog import MAX_PHASE_S, START_PHASES
 
 NAMES = {"weights_s": "weights", "jit_s": "JIT", "compile_s": "compile", "capture_s": "capture", "other_s": "other"}
 KEEP = 10                # starts a release keeps in release.json (its own history of start-ups)
@@ -12,11 +12,12 @@ FLOOR_S, FLOOR_REL = 1.0, 0.10  # a phase's noise: 1 s (whole-second log timesta
 
 
 def clean(start) -> dict:
-    """A start as a host reported it, its phases numbers only (anything else is dropped, never shown)."""
+    """A start as a host reported it (or a history file kept it), its phases numbers only: anything
+    else, and a time no start spends (negative, NaN, past a week), is dropped, never shown."""
     if not isinstance(start, dict):
         return {}
     return {k: float(v) for k, v in start.items() if k in (*START_PHASES, "other_s", "start_s")
-            and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) < 1e9}
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_PHASE_S}
 
 
 def text(start: dict) -> str:

@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+DIST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")          # a distribution as the store names its folder
+VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+!-]{0,63}")     # PEP 440, local part included
+REL = re.compile(r"[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*\.py")  # a module file under site-packages
+DTYPE = re.compile(r"torch\.[a-z0-9_]{1,40}")
+SIGNATURE_KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY", "VAR_POSITIONAL", "VAR_KEYWORD")
 ANNOTATION_TYPES = (("Tensor", "Tensor"), ("dtype", "ScalarType"), ("bool", "bool"), ("float", "float"),
                     ("int", "SymInt"), ("str", "str"), ("device", "Device"))
 
@@ -292,6 +298,86 @@ def _device_param(out: dict, case: dict, params: list[Param]) -> str:
     raise CannotWrap("no tensor argument on the output's device to allocate its fake like")
 
 
+# ---- what the host sent, checked before a byte of it is written into a patch ------------------------
+# The probe's reply and the break record come from the audited host; the patch they make is stored
+# and deployed to every host of that release. A field that would become code, a file name or a diff
+# line is held to what a real reply holds; anything else says why it cannot be wrapped.
+
+def _ints(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise CannotWrap(f"the probe's reply: {what} is not a list of sizes")
+    return value
+
+
+def _check_tensor(out: dict, where: str, names: set[str]) -> None:
+    _ints(out.get("shape"), f"{where}.shape")
+    _ints(out.get("stride"), f"{where}.stride")
+    if len(out["shape"]) != len(out["stride"]):
+        raise CannotWrap(f"the probe's reply: {where} has {len(out['shape'])} dims and {len(out['stride'])} strides")
+    if not DTYPE.fullmatch(str(out.get("dtype"))):
+        raise CannotWrap(f"the probe's reply: {where}.dtype {str(out.get('dtype'))[:60]!r} is not a torch dtype")
+    if not isinstance(out.get("device"), str):
+        raise CannotWrap(f"the probe's reply: {where}.device is not a device")
+    if out.get("alias") is not None and out.get("alias") not in names:
+        raise CannotWrap(f"the probe's reply: {where}.alias is not a parameter of the function")
+
+
+def check_probe(probe: dict, names: set[str]) -> None:
+    """The probe's reply as a real probe sends it, or CannotWrap saying which field is not."""
+    if not isinstance(probe.get("signature"), list) or not all(
+            isinstance(r, dict) and isinstance(r.get("name"), str) and r.get("kind") in SIGNATURE_KINDS
+            for r in probe["signature"]):
+        raise CannotWrap("the probe's reply: its signature is not a list of parameters")
+    for key, rx in (("dist", DIST), ("dist_version", VERSION), ("rel", REL)):
+        value = probe.get(key)
+        if not isinstance(value, str) or not rx.fullmatch(value) or ".." in value.split("/"):
+            raise CannotWrap(f"the probe's reply: {key} {str(value)[:80]!r} is not a distribution's name, version "
+                             f"or file")
+    tail, count = probe.get("tail"), probe.get("line_count")
+    if not isinstance(tail, list) or len(tail) > 3 or not all(isinstance(t, str) and "\n" not in t and "\r" not in t
+                                                               for t in tail):
+        raise CannotWrap("the probe's reply: tail is not the file's last lines")
+    if not isinstance(count, int) or isinstance(count, bool) or count < len(tail) or \
+            not isinstance(probe.get("ends_with_newline"), bool):
+        raise CannotWrap("the probe's reply: line_count or ends_with_newline is not the file's")
+    if not isinstance(probe.get("cases"), list) or not all(isinstance(c, dict) for c in probe["cases"]):
+        raise CannotWrap("the probe's reply: cases is not a list of calls")
+    for i, case in enumerate(c for c in probe["cases"] if c.get("ok")):
+        output = case.get("output")
+        inputs = case.get("inputs")
+        if not isinstance(output, dict) or not isinstance(inputs, dict) or not isinstance(case.get("mutated") or [], list):
+            raise CannotWrap(f"the probe's reply: case {i} has no output, inputs or mutated list")
+        for name, shape in inputs.items():
+            _ints(shape, f"case {i}.inputs.{str(name)[:40]}")
+        if not isinstance(case.get("sizes") or {}, dict):
+            raise CannotWrap(f"the probe's reply: case {i}.sizes is not a mapping of sizes")
+        _ints(list((case.get("sizes") or {}).values()), f"case {i}.sizes")
+        if not set(case.get("mutated") or []) <= names:
+            raise CannotWrap(f"the probe's reply: case {i} mutated names no parameter of the function")
+        items = output.get("items") if output.get("kind") in ("tuple", "list") else [output]
+        if not isinstance(items, list) or not all(isinstance(o, dict) for o in items):
+            raise CannotWrap(f"the probe's reply: case {i}'s output is not a list of values")
+        for j, out in enumerate(items):
+            if out.get("kind") == "tensor":
+                _check_tensor(out, f"case {i} output {j}", names)
+
+
+def check_frame(frame: dict) -> None:
+    """The chain frame to wrap, as the shim records one: a module's dotted name, its arguments objects."""
+    if not MODULE.fullmatch(str(frame.get("module"))):
+        raise CannotWrap(f"{str(frame.get('module'))[:80]!r} is not a module name")
+    args, kwargs = frame.get("args") or [], frame.get("kwargs") or {}
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or not all(
+            isinstance(a, dict) for a in list(args) + list(kwargs.values())):
+        raise CannotWrap("the break record: the frame's arguments are not the values dynamo saw")
+
+
+def comment_line(text: object, limit: int = 300) -> str:
+    """Text for one `# ...` line of the patch: printable characters only (a newline, a CR or a
+    Unicode line separator in a host's message would end the comment and start code)."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))[:limit]
+
+
 # ---- the patch ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -407,7 +493,7 @@ def code_block(func: str, params: list[Param], fit: Fit, op: str, why: list[str]
     else:
         rebuilt = "_out"
     muts = "".join(f"{m!r}, " for m in fit.mutated).rstrip(" ")
-    comment = "".join(f"# {line}\n" for line in why)
+    comment = "".join(f"# {comment_line(line)}\n" for line in why)
     return (
         "\n\n"
         f"# ---- servops: {func} made an opaque custom op (synthesised by `invoke audit --fix`) ----\n"
@@ -464,9 +550,13 @@ def append_diff(rel: str, tail: list[str], line_count: int, ends_with_newline: b
 
 def synthesise(brk: dict, frame: dict, probe: dict, audit_id: str) -> Synthesis:
     """The patch for one break at one wrap point (a chain frame the probe called)."""
-    func = frame["qualname"]
-    if not IDENT.fullmatch(func or ""):
-        raise CannotWrap(f"{frame['module']}.{func} is not a module-level function")
+    func = frame.get("qualname")
+    if not isinstance(func, str) or not IDENT.fullmatch(func) or keyword.iskeyword(func):
+        raise CannotWrap(f"{comment_line(frame.get('module'), 80)}.{comment_line(func, 80)} is not a module-level function")
+    check_frame(frame)
+    if not isinstance(probe.get("signature"), list):
+        raise CannotWrap("the probe's reply: its signature is not a list of parameters")
+    check_probe(probe, {str(r.get("name")) for r in probe["signature"] if isinstance(r, dict)})
     params = bind(probe["signature"], frame.get("args") or [], frame.get("kwargs") or {})
     fit = fit_outputs(probe["cases"], params)
     dist, version, rel = probe["dist"], probe["dist_version"], probe["rel"]

@@ -824,7 +824,7 @@ class Runner:
         (start to healthy), and the phases the engine's log timed (weights_s, jit_s, compile_s,
         capture_s, other_s: servops/remote/startlog.py, read by the gate on the host)."""
         times = {"start_s": round(float(record["elapsed"]), 2)} if is_number(record.get("elapsed")) else {}
-        return dict(times, **{k: v for k, v in (record.get("start") or {}).items() if is_number(v)})
+        return dict(times, **startup.clean(record.get("start")))  # the host's phases, plausible ones only
 
     def _bench(self, t: Trial, k: int, label: str | None = "bench") -> tuple[dict | None, str | None, float]:
         """(result, why it failed, seconds) of one bench of the current release; its phase line

@@ -66,7 +66,7 @@ def test_tokenizer_fills_the_vocab_exactly():
 def test_bad_layers_is_one_line(tmp_path):
     res = subprocess.run([sys.executable, "-m", "servops.lab.modelgen", str(tmp_path / "m"), "--shape", "llama-tiny",
                           "--layers", "0"], cwd=REPO, capture_output=True, text=True)
-    assert res.returncode == 2 and res.stderr.strip() == "error: --layers must be at least 1, not 0"
+    assert res.returncode == 2 and res.stderr.strip() == "error: --layers must be 1 to 1024, not 0"
     assert not (tmp_path / "m").exists()
 
 

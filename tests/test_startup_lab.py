@@ -51,11 +51,13 @@ def start_line(out: str) -> str:
     return next(l for l in out.splitlines() if " start-up " in l and "start to healthy" in l)
 
 
-def warmup_processes() -> list[int]:
-    pids = []
+def warmup_processes(root: Path) -> list[int]:
+    """The warm-up processes of releases under `root` (another test's warm-ups, beside this one on
+    another worker, are not this deploy's)."""
+    pids, mark = [], f"SERVOPS_WARMUP_DIR={root}/".encode()
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and b"SERVOPS_WARMUP_DIR=" in Path(f"/proc/{entry}/environ").read_bytes():
+            if entry.isdigit() and mark in Path(f"/proc/{entry}/environ").read_bytes():
                 pids.append(int(entry))
         except OSError:
             continue
@@ -128,7 +130,7 @@ def test_caches_are_planned_and_a_deploy_builds_its_kernels_before_the_old_serve
         assert re.search(r"start to healthy \d+\.\ds \(weights 0\.\ds, JIT [12]\.\ds", lines[built]), lines[built]
         assert "not in the log: JIT, compile, capture" in start_line(out)  # the restart found them built
         assert (root_of(lab) / "releases" / new / "warmup.log").read_text().count("Building JIT module") == 1
-        assert warmup_processes() == []
+        assert warmup_processes(root_of(lab)) == []
         ledger = json.loads((tmp_path / "jit" / "servops-ledger.json").read_text())
         assert sorted(e["release"] for e in ledger["kinds"]["jit_s"].values()) == sorted([base, new])
         assert release_json(lab, new)["caches"]["keys"]["jit_s"] in ledger["kinds"]["jit_s"]

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import time
@@ -78,13 +79,16 @@ CHAT_TEMPLATE = (
 
 # ---- what the checkpoint holds (pure: no torch) ----------------------------------------------
 
+MAX_LAYERS = 1024  # the deepest real models have a few hundred
+
+
 def shape_of(name: str, layers: int | None = None) -> dict:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     shape = dict(SHAPES[name], name=name)
     if layers is not None:
-        if layers < 1:
-            raise ValueError(f"--layers must be at least 1, not {layers}")
+        if not 1 <= layers <= MAX_LAYERS:  # (10^9 layers: a list of their tensors filled memory before a byte was written)
+            raise ValueError(f"--layers must be 1 to {MAX_LAYERS}, not {layers}")
         shape["layers"] = layers
     return shape
 
@@ -301,14 +305,17 @@ def write(out: Path, shape: dict, dtype: str, device: str = "cpu", seed: int = 0
     for i, part in enumerate(files):
         fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         tmp = out / f".{fname}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(safetensors_header(part))
-            for name, kind, dims in part:
-                t = pool.tensor(index, name, kind, dims)
-                index += 1
-                fh.write(t.contiguous().view(torch.uint8).numpy().data)
-                weight_map[name] = fname
-        os.replace(tmp, out / fname)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(safetensors_header(part))
+                for name, kind, dims in part:
+                    t = pool.tensor(index, name, kind, dims)
+                    index += 1
+                    fh.write(t.contiguous().view(torch.uint8).numpy().data)
+                    weight_map[name] = fname
+            os.replace(tmp, out / fname)
+        finally:  # a write that failed (the disk filled after the check, Ctrl-C) leaves no multi-GB scratch
+            tmp.unlink(missing_ok=True)
         log(f"{fname}: {len(part)} tensors, {sum(map(nbytes, part)) / 1e9:.2f} GB ({time.monotonic() - t0:.1f} s)")
     total = sum(map(nbytes, specs))
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -327,6 +334,20 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def room_for(out: Path, total: int, spare: int = 1 << 30) -> None:
+    """ValueError unless `out` is (or can be) a directory whose filesystem has the checkpoint's
+    bytes free, with `spare` left: a checkpoint that fills the disk stops the host's other work."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is not a directory")
+    where = out
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if total + spare > free:
+        raise ValueError(f"{out}: the checkpoint is {total / 1e9:.1f} GB and its filesystem has {free / 1e9:.1f} GB "
+                         f"free (1 GB kept spare); free space, pick another OUT or fewer --layers")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m servops.lab.modelgen",
                                  description="Write a random-weight checkpoint at a real model's shape.")
@@ -339,6 +360,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         shape = shape_of(a.shape, a.layers)
+        room_for(a.out, sum(map(nbytes, tensor_specs(shape, a.dtype))))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

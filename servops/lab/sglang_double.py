@@ -40,6 +40,9 @@ Start-up and crashes, as the server args make them:
                                    cache (sglang's SGLANG_CACHE_DIR/torch_compile_cache), a tenth
                                    of it once the cache holds the graph, logged as sglang 0.5.17's
                                    prefill capture logs it; default 0
+  SGLANG_DOUBLE_LOG_LINES          lines written to the log as they are (no timestamp added), one
+                                   per "|", before the weights: an engine log that lies (a phase
+                                   line from another clock, a date no clock shows); default none
   SGLANG_DOUBLE_CRASH_IF           conditions on server args ("mem-fraction-static>0.88", several
                                    joined by ","; any one true): the capture runs out of GPU memory
                                    at start, with sglang's own traceback (sglang issue 5285)
@@ -1039,6 +1042,8 @@ def main(argv=None):
         log(f"server_args: {args.sglang_server_args} (ignored flags: {' '.join(ignored) or 'none'})")
     else:
         log(f"server_args (sglang {args.sglang_version}, {args.parser} parser): {args.launch_command}")
+    for line in filter(None, os.environ.get("SGLANG_DOUBLE_LOG_LINES", "").split("|")):
+        print(line, flush=True)
     log(f"Load weight begin (double of {args.model_path}, tp={args.tp}, node_rank={args.node_rank}/{args.nnodes})")
     weights_t0 = time.monotonic()
     load_time = float(os.environ.get("SGLANG_DOUBLE_LOAD_TIME", "0.5"))

@@ -19,6 +19,8 @@ import time
 
 MAX_LOG_TAIL = 200                # lines of the audit server's log in the reply
 MAX_BREAKS = 50                   # break records read back (a graph-breaking engine repeats them)
+PROOF_DEADLINE_S = 1800           # every captured size's prefill compared, within this
+MAX_SERVER_LOG = 1 << 30          # an audit server logging past this is ended (the host's disk is the serving one's)
 
 
 # ---- the fix set, as patched copies the shim serves ----------------------------------------------
@@ -108,14 +110,17 @@ def end_session(proc, grace=10):
 def read_breaks(work):
     records = []
     try:
-        with open(os.path.join(work, "breaks.jsonl"), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if len(records) >= MAX_BREAKS:
+        with open(os.path.join(work, "breaks.jsonl"), "rb") as f:
+            for _ in range(MAX_BREAKS * 4):  # lines read, each at most 1 MiB (a record is a few kB)
+                line = f.readline(1 << 20)
+                if not line or len(records) >= MAX_BREAKS:
                     break
                 try:
-                    records.append(json.loads(line))
-                except ValueError:
+                    record = json.loads(line.decode("utf-8", "replace"))
+                except (ValueError, RecursionError):
                     continue
+                if isinstance(record, dict):
+                    records.append(record)
     except OSError:
         pass
     return records
@@ -131,7 +136,7 @@ def captured_sizes(path, max_bytes=64 << 20):
             data = f.read(max_bytes)
     except OSError:
         return []
-    for m in re.finditer(rb"num_tokens=(\d{1,7})", data):
+    for m in re.finditer(rb"num_tokens=(\d{1,7})(?!\d)", data):  # (num_tokens=123456789 is no size 1234567)
         sizes.add(int(m.group(1)))
     return sorted(sizes)
 
@@ -148,11 +153,16 @@ def log_tail(path, lines=MAX_LOG_TAIL, max_bytes=256 * 1024):
     return [line[:2000] for line in text.splitlines()[-lines:]]
 
 
-def prefill_logprobs(port, lengths, vocab, timeout):
+def prefill_logprobs(port, lengths, vocab, timeout, deadline_s=PROOF_DEADLINE_S):
     """The prefill's input_token_logprobs at each length (sglang's /generate), or why not. Each
-    length's prompt starts differently, so no request reuses another's cached prefix."""
+    length's prompt starts differently, so no request reuses another's cached prefix. Past the
+    proof's deadline (a capture list of 10^5 sizes) each size left says so: not compared is not equal."""
     out = {}
+    deadline = time.monotonic() + deadline_s
     for n in lengths:
+        if time.monotonic() > deadline:
+            out[str(n)] = {"error": "not compared: the proof's %d s were spent on the sizes before it" % deadline_s}
+            continue
         ids = [(7919 * i + 131 * n + 13) % max(vocab - 20, 1) + 10 for i in range(n)]
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                 "return_logprob": True, "logprob_start_len": 0}
@@ -267,6 +277,9 @@ def run_audit():
             if proc.poll() is not None:
                 state = "exited"
                 break
+            if os.path.getsize(log_path) > int(ARGS.get("max_log_bytes") or MAX_SERVER_LOG):
+                state = "flooded its log"
+                break
             if read_breaks(work):
                 broke_at = broke_at or time.monotonic()
                 if time.monotonic() - broke_at > float(ARGS.get("after_break_s") or 30):
@@ -284,12 +297,13 @@ def run_audit():
         compare = ARGS.get("compare")
         if state == "healthy" and compare:
             lengths = result["captured"] if compare["lengths"] == "captured" else compare["lengths"]
-            text = config.get("text_config") or config
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
             vocab = _int(text.get("vocab_size"), 32000)
             # a prompt and its one new token must fit the context the server was given
             longest = _int(compare.get("context_length") or text.get("max_position_embeddings"), 1 << 30) - 1
             result["logprobs"] = prefill_logprobs(port, [n for n in lengths if 2 <= n <= longest], vocab,
-                                                  float(compare.get("timeout_s") or 60))
+                                                  float(compare.get("timeout_s") or 60),
+                                                  float(compare.get("deadline_s") or PROOF_DEADLINE_S))
             result["compare_skipped"] = [n for n in lengths if n > longest]
         result["ended"] = end_session(proc)
         result["breaks"] = read_breaks(work)
@@ -297,9 +311,12 @@ def run_audit():
         result["elapsed_s"] = round(time.monotonic() - started, 2)
         if ARGS.get("journal"):
             breaks = result["breaks"]
-            append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
-                "%d break(s): %s" % (len(breaks), (breaks[0].get("message") or "").strip().split("\n")[0][:200])
-                if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
+            try:
+                append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
+                    "%d break(s): %s" % (len(breaks), str(breaks[0].get("message") or "").strip().split("\n")[0][:200])
+                    if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
+            except (OSError, ValueError, FileProblem) as exc:  # the audit's answer is not lost to its journal
+                result["journal_problem"] = "journal %s not written: %s" % (ARGS["journal"], exc)
         reply(result)
     finally:
         if proc is not None and proc.poll() is None:
@@ -327,6 +344,29 @@ def where_defined(path):
             "tail": lines[-3:], "ends_with_newline": data.endswith(b"\n"), "sha256": sha_bytes(data)}
 
 
+MAX_PROBE_OUTPUT = 64 << 20       # what a probe (the host's function, called) may print before it is ended
+
+
+def watch_probe(proc, paths, timeout_s):
+    """Wait for the probe; why it was ended (None: it exited): its deadline, or output past
+    MAX_PROBE_OUTPUT (a function that prints without end must not fill the host's disk)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return "did not end in %s s" % ARGS.get("timeout_s", 300)
+        if sum(os.path.getsize(p) for p in paths) > MAX_PROBE_OUTPUT:
+            return "printed more than %d MiB: ended" % (MAX_PROBE_OUTPUT >> 20)
+        time.sleep(0.1)
+    return None
+
+
+def file_tail(path, max_bytes=1 << 20):
+    """The last MiB of a file (the probe's answer is its last line)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - max_bytes))
+        return f.read()
+
+
 def run_probe():
     work = work_dir("servops-probe-")
     try:
@@ -344,13 +384,15 @@ def run_probe():
         env = dict(os.environ)
         env.update(ARGS.get("env") or {})
         env["SERVOPS_AUDIT_DIR"] = work
-        proc = subprocess.Popen([sys.executable, shim, "probe", request], cwd=work, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=float(ARGS.get("timeout_s") or 300))
-        except subprocess.TimeoutExpired:
-            end_session(proc, grace=3)
-            fail("the probe of %s did not end in %s s" % (ARGS["request"]["qualname"], ARGS.get("timeout_s") or 300))
+        out_path, err_path = os.path.join(work, "probe.out"), os.path.join(work, "probe.err")
+        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+            proc = subprocess.Popen([sys.executable, shim, "probe", request], cwd=work, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, start_new_session=True)
+        why = watch_probe(proc, [out_path, err_path], float(ARGS.get("timeout_s") or 300))
+        end_session(proc, grace=3)  # its session too: a worker it forked holds nothing open past it
+        if why:
+            fail("the probe of %s %s" % (ARGS["request"]["qualname"], why))
+        out, err = file_tail(out_path), file_tail(err_path)
         lines = out.decode("utf-8", "replace").strip().splitlines()
         try:
             data = json.loads(lines[-1])

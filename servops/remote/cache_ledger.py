@@ -22,17 +22,29 @@ def cache_root(path):
 
 
 def read_ledger(root):
+    """The ledger, or {"kinds": {}, "damaged": why}: read bounded from a regular file only (a FIFO
+    or a device planted in a shared directory must not hang the health gate), every entry an object."""
+    import stat as _stat
     path = os.path.join(root, LEDGER_NAME)
     try:
-        if os.path.islink(path) or os.path.getsize(path) > LEDGER_MAX_BYTES:
-            return {"kinds": {}, "damaged": "%s is a symlink or too large; not read" % path}
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return {"kinds": {}}
-    except (OSError, ValueError) as exc:
-        return {"kinds": {}, "damaged": "%s: %s" % (path, exc)}
-    if not isinstance(data, dict) or not isinstance(data.get("kinds"), dict):
+    except OSError as exc:
+        return {"kinds": {}, "damaged": "%s: %s" % (path, exc.strerror or exc)}
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode) or st.st_size > LEDGER_MAX_BYTES:
+            return {"kinds": {}, "damaged": "%s is not a regular file of at most %d bytes; not read" % (
+                path, LEDGER_MAX_BYTES)}
+        data = json.loads(os.read(fd, LEDGER_MAX_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        return {"kinds": {}, "damaged": "%s: %s" % (path, str(exc)[:200])}
+    finally:
+        os.close(fd)
+    kinds = data.get("kinds") if isinstance(data, dict) else None
+    if not isinstance(kinds, dict) or not all(
+            isinstance(entries, dict) and all(isinstance(e, dict) for e in entries.values()) for entries in kinds.values()):
         return {"kinds": {}, "damaged": "%s is not a ledger" % path}
     return data
 
@@ -56,17 +68,56 @@ def _filled(path):
         return False
 
 
+def unsafe_cache_dir(root):
+    """Why the server must not use this cache directory (None: it may). The engines load the
+    kernels they find there: a directory another user owns or can write to is their code in the
+    server; one that is a file, or cannot be made, fails every start's cache writes."""
+    if root == os.sep:
+        return "%s is / (a link to it, or the path itself): name a directory of its own" % root
+    path = root
+    while not os.path.lexists(path):  # not made yet: the first start makes it under its nearest parent
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return "%s: %s" % (path, exc.strerror)
+    import stat as _stat
+    if not _stat.S_ISDIR(st.st_mode):
+        return "%s is not a directory" % path
+    if path != root:
+        return None if os.access(path, os.W_OK | os.X_OK) else "%s cannot be made: %s is not writable by this user" % (
+            root, path)
+    if st.st_uid != os.getuid():
+        return "%s is owned by uid %d, not this user (uid %d): the kernels the server loads from it are theirs" % (
+            root, st.st_uid, os.getuid())
+    if st.st_mode & 0o002:  # (a group's write is a team's choice; anyone's is not)
+        return "%s is writable by anyone (mode %o): a kernel planted there runs in the server; chmod o-w it" % (
+            root, st.st_mode & 0o7777)
+    return None
+
+
 def cache_facts(spec):
     """spec: {"dir", "names": {cache name: its directory under dir}}. What check and deploy plan from."""
     root = cache_root(spec["dir"])
     return {"dir": root, "exists": os.path.isdir(root), "ledger": read_ledger(root), "versions": cache_versions(),
-            "filled": {name: _filled(os.path.join(root, sub)) for name, sub in (spec.get("names") or {}).items()}}
+            "filled": {name: _filled(os.path.join(root, sub)) for name, sub in (spec.get("names") or {}).items()},
+            "unsafe": unsafe_cache_dir(root)}
 
 
 def record_built(spec, start, release):
     """After a healthy start (or warm-up) of a launch whose cache keys are spec["keys"]: a key new
     to the ledger was built by this start, with the seconds its log showed for that phase; a
     known one was reused."""
+    try:
+        return _record_built(spec, start, release)
+    except OSError as exc:  # a full disk, a directory turned read-only or into a file: said, never a failed gate
+        return "cache ledger in %s not written: %s" % (spec.get("dir"), exc.strerror or exc)
+
+
+def _record_built(spec, start, release):
     root = cache_root(spec["dir"])
     os.makedirs(root, mode=0o700, exist_ok=True)
     ledger = read_ledger(root)
@@ -77,19 +128,26 @@ def record_built(spec, start, release):
         entries = kinds.setdefault(kind, {})
         seconds = start.get(kind)
         if key in entries:
-            entries[key]["starts"] = int(entries[key].get("starts") or 1) + 1
+            starts = entries[key].get("starts")
+            entries[key]["starts"] = (starts if isinstance(starts, int) and not isinstance(starts, bool) and
+                                      starts > 0 else 1) + 1
             if seconds is not None:
                 entries[key]["warm_s"] = seconds
             continue
         entries[key] = {"release": release, "at": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime()), "starts": 1}
         if seconds is not None:
             entries[key]["seconds"] = seconds
-        for old in sorted(entries, key=lambda k: entries[k].get("at") or "")[:max(0, len(entries) - LEDGER_MAX_KEYS)]:
+        # oldest first by their "at" text (a number or a list there, from another hand, sorts as its text)
+        for old in sorted(entries, key=lambda k: str(entries[k].get("at") or ""))[:max(0, len(entries) - LEDGER_MAX_KEYS)]:
             del entries[old]
     path = os.path.join(root, LEDGER_NAME)
     tmp = "%s.%d.tmp" % (path, os.getpid())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump({"kinds": kinds}, fh, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"kinds": kinds}, fh, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):  # a write that failed half-way (ENOSPC) leaves no scratch file
+            os.unlink(tmp)
     return None

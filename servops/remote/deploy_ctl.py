@@ -327,6 +327,8 @@ def op_discard():
     d = release_dir(ARGS["name"])
     if current_name() == ARGS["name"]:
         fail("release %s is current; not removing it" % ARGS["name"])
+    if warmup_processes(d):  # a warm-up its aborted deploy left running (Ctrl-C mid pre-build): ended first
+        end_warmup(d, None)
     shutil.rmtree(d, ignore_errors=True)
     return {"removed": ARGS["name"]}
 
@@ -927,7 +929,8 @@ def end_warmup(d, pgid, grace=10.0, poll=0.25):
     """SIGTERM to the warm-up's group and every process carrying its mark, the grace, SIGKILL;
     returns how many were ended and whether any survived."""
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        if pgid is not None and pgid > 1:  # (None: no group known; every marked process is still found)
+            os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
     seen, deadline, sig = {}, time.monotonic() + grace, signal.SIGTERM
@@ -942,6 +945,41 @@ def end_warmup(d, pgid, grace=10.0, poll=0.25):
             _signal(facts, sig)
         time.sleep(poll)
     return {"ended": len(seen), "survivors": sorted(warmup_processes(d))}
+
+
+WARMUP_OWNER = "warmup.owner"  # "<pid> <start time> <pgid>" of the program running a release's warm-up
+
+
+def orphan_warmups():
+    """Warm-ups whose program died before it ended them (SIGKILL, the SIGHUP of a dropped SSH
+    session: its `finally` never ran), ended by the next command on the host, whatever its verb:
+    a warm-up server left beside the serving one holds its GPU memory and port for good."""
+    ended = []
+    try:
+        names = sorted(os.listdir(RELEASES))
+    except OSError:
+        return ended
+    for name in names:
+        d = os.path.join(RELEASES, name)
+        owner = os.path.join(d, WARMUP_OWNER)
+        try:
+            fd = os.open(owner, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            words = os.read(fd, 200).decode("ascii", "replace").split()
+        finally:
+            os.close(fd)
+        try:
+            pid, start, pgid = int(words[0]), words[1], int(words[2])
+        except (IndexError, ValueError):
+            pid, start, pgid = 0, "", 0
+        if pid and proc_starttime(pid) == start:
+            continue  # its warm-up still runs, watched
+        end_warmup(d, pgid)
+        os.unlink(owner)
+        ended.append(name)
+    return ended
 
 
 def op_warmup():
@@ -975,6 +1013,8 @@ def op_warmup():
         finally:
             os._exit(127)
     os.close(log_fd)
+    owner = os.path.join(d, WARMUP_OWNER)
+    replace_with(owner, "%d %s %d\n" % (os.getpid(), proc_starttime(os.getpid()), pid), mode=0o600)
     health = ARGS.get("health") or {}
     endpoint, timeout = health.get("endpoint", "/health"), float(ARGS.get("timeout") or 1200)
     watch = LogWatch(log_path, ARGS.get("signatures") or [])
@@ -1008,6 +1048,8 @@ def op_warmup():
             os.waitpid(pid, 0)
         except ChildProcessError:
             pass
+        if os.path.lexists(owner):
+            os.unlink(owner)
     watch.poll()
     out = {"state": state, "reason": reason, "elapsed": elapsed, "log": log_path, "ended": ended,
            "start": start_phases(watch.lines + [watch.partial], elapsed if state == "healthy" else None)}
@@ -1600,7 +1642,10 @@ if _SERVOPS_MAIN == "deploy_ctl":
         check_root()
         # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
         UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
+        swept = [] if ARGS["op"] in ("follow", "claim", "owns") else orphan_warmups()
         out = run_op(ARGS["op"])
+        if swept:
+            out["orphan_warmups_ended"] = swept
     except FileProblem as exc:
         fail(str(exc))
     out["site"] = []

@@ -6,6 +6,7 @@ import json
 import os
 
 MAX_CONFIG_BYTES = 4 << 20        # a model's config.json: a real one is a few kB
+MAX_LAYERS = 4096                 # the deepest real models have a few hundred; past this a count is a lie
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -13,7 +14,7 @@ WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 def read_config(model_path):
     """The model's config.json, bounded: a regular file of at most MAX_CONFIG_BYTES."""
     import stat as stat_mod
-    path = os.path.join(model_path, "config.json")
+    path = os.path.join(os.path.expanduser(model_path), "config.json")  # ~/ as the launch check reads it
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
@@ -32,6 +33,8 @@ def read_config(model_path):
         config = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         return None, "%s is not JSON: %s" % (path, str(exc)[:200])
+    except RecursionError:  # arrays or objects nested past the parser's depth: no config is
+        return None, "%s is not a model config: JSON nested too deep" % path
     if not isinstance(config, dict):
         return None, "%s is not a JSON object" % path
     return config, None
@@ -40,26 +43,63 @@ def read_config(model_path):
 # ---- the fewest layers that keep every layer kind ----------------------------------------------
 
 def _int(value, default=0):
+    """An integer from a config value; `default` for anything else (text, inf, NaN, 1e400, a list)."""
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return default
+
+
+def _layer_list(value):
+    """A config's list of layer indices (mlp_only_layers); anything else is no list."""
+    return [i for i in value if isinstance(i, int) and not isinstance(i, bool)] if isinstance(value, list) else []
+
+
+def layer_count_problem(value):
+    """Why a layer count is not one a real model has (None: it is): a positive integer up to MAX_LAYERS."""
+    whole = isinstance(value, int) or (isinstance(value, str) and value.isdigit()) or (
+        isinstance(value, float) and value == value and abs(value) != float("inf") and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        return "%r is not a whole number" % (value,)
+    if not 0 < int(value) <= MAX_LAYERS:
+        return "%s is not a layer count a model has (1 to %d)" % (str(value)[:40], MAX_LAYERS)
+    return None
 
 
 def layer_kind(config, i, n):
     """What makes layer i of this config differ from another (dense or MoE MLP, attention type,
     RoPE or not), from the config's own per-layer rules and per-layer lists."""
+    return _layer_kind(_per_layer(config, n), i)
+
+
+RULE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "mlp_only_layers",
+             "first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq",
+             "full_attention_interval", "sliding_window_pattern")
+
+
+def _per_layer(config, n):
+    """The part of a config that tells layers apart, taken once: its per-layer lists and pattern
+    strings and the rule keys (a 4 MB config of 150,000 keys was walked once per layer: minutes)."""
+    view = {key: value for key, value in config.items()
+            if (isinstance(value, list) and len(value) == n and key != "architectures")
+            or (isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"))}
+    rules = {key: config[key] for key in RULE_KEYS if key in config}
+    rules["mlp_only_layers"] = set(_layer_list(config.get("mlp_only_layers")))
+    return sorted(view.items()), rules
+
+
+def _layer_kind(per_layer, i):
+    fields, config = per_layer
     kind = []
-    for key in sorted(config):
-        value = config[key]
-        if isinstance(value, list) and len(value) == n and key != "architectures":
+    for key, value in fields:
+        if isinstance(value, list):
             kind.append((key, json.dumps(value[i], sort_keys=True)))
-        elif isinstance(value, str) and len(value) == n and n > 1 and key.endswith("pattern"):
+        else:
             kind.append((key, value[i]))  # Nemotron-H's hybrid_override_pattern: one character a layer
     experts = _int(config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
                    or config.get("moe_num_experts"))
     if experts:
-        dense = i in (config.get("mlp_only_layers") or [])
+        dense = i in config["mlp_only_layers"]
         first_k = config.get("first_k_dense_replace")
         if first_k is not None and i < _int(first_k):
             dense = True
@@ -82,13 +122,17 @@ def shrink_config(config):
     text_key = "text_config" if isinstance(config.get("text_config"), dict) and \
         "num_hidden_layers" in config["text_config"] else None
     target = dict(config[text_key]) if text_key else dict(config)
-    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if _int(target.get(k)) > 0), None)
+    key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if target.get(k) is not None), None)
     if key is None:
         return None, "the config names no layer count (num_hidden_layers)"
+    problem = layer_count_problem(target[key])
+    if problem:  # before a list of kinds as long as it says (10^9 layers would fill the host's memory)
+        return None, "the config's %s: %s" % (key, problem)
     n = _int(target[key])
     if _int(target.get("first_k_dense_replace")) > 1:  # DeepSeek/GLM: one dense layer is a dense layer
         target["first_k_dense_replace"] = 1
-    kinds = [layer_kind(target, i, n) for i in range(n)]
+    per_layer = _per_layer(target, n)
+    kinds = [_layer_kind(per_layer, i) for i in range(n)]
     wanted = set(kinds)
     keep, seen = n, set()
     for i, kind in enumerate(kinds):
@@ -102,7 +146,7 @@ def shrink_config(config):
         elif isinstance(value, str) and len(value) == n and n > 1 and k.endswith("pattern"):
             target[k] = value[:keep]
     if isinstance(target.get("mlp_only_layers"), list):
-        target["mlp_only_layers"] = [i for i in target["mlp_only_layers"] if isinstance(i, int) and i < keep]
+        target["mlp_only_layers"] = [i for i in _layer_list(target["mlp_only_layers"]) if i < keep]
     target[key] = keep
     out = dict(config)
     if text_key:
@@ -120,6 +164,7 @@ def shrunk_model(model_path, config, work):
         return None, info
     out = os.path.join(work, "model")
     os.mkdir(out, 0o700)
+    model_path = os.path.expanduser(model_path)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(shrunk, f, indent=1)
     for name in sorted(os.listdir(model_path))[:1000]:

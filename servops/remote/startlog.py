@@ -26,22 +26,28 @@ import re as _re
 import time as _time
 
 START_PHASES = ("weights_s", "jit_s", "compile_s", "capture_s")
+# A log can lie (a clock stepped back, a line from another program, a number a bug printed): a
+# phase or a total outside 0..MAX_PHASE_S (a week) is not a time this start spent; it is left out.
+MAX_PHASE_S = 7 * 24 * 3600.0
+MAX_LINE_CHARS = 4096
 
 _SGLANG_TS = _re.compile(r"^(?:\([^)]*\) )?\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: ([^\]]*))?\]")
 _ASCTIME = _re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - [A-Z]+ - ")
 _VLLM_TS = _re.compile(r"^(?:\((\S+) pid=\d+\) )*(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 _VLLM_RANK = _re.compile(r"\((?:Worker_)?(\S*TP\d+)\S* pid=\d+\)")
 
+# A number of seconds as the engines print it (12, 12.5): "1.2.3" or "." is none
+_SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
 # (phase, regex with the seconds as group 1): a phase the line states itself
 _VALUES = (
-    ("weights_s", _re.compile(r"Load weight end\. elapsed=([0-9.]+) s")),
-    ("weights_s", _re.compile(r"Loading weights took ([0-9.]+) seconds")),
-    ("weights_s", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and ([0-9.]+) seconds")),
-    ("capture_s", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=([0-9.]+) s")),
-    ("capture_s", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: ([0-9.]+) s")),
-    ("capture_s", _re.compile(r"Graph capturing finished in ([0-9.]+) secs?")),
-    ("compile_s", _re.compile(r"Compiling a graph for (?:dynamic shape|shape \S+) takes ([0-9.]+) s")),
-    ("compile_s", _re.compile(r"torch\.compile takes ([0-9.]+) s in total")),
+    ("weights_s", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
+    ("weights_s", _re.compile(r"Loading weights took %s seconds" % _SECS)),
+    ("weights_s", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
+    ("capture_s", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=%s s" % _SECS)),
+    ("capture_s", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: %s s" % _SECS)),
+    ("capture_s", _re.compile(r"Graph capturing finished in %s secs?" % _SECS)),
+    ("compile_s", _re.compile(r"Compiling a graph for (?:dynamic shape|shape \S+) takes %s s" % _SECS)),
+    ("compile_s", _re.compile(r"torch\.compile takes %s s in total" % _SECS)),
 )
 # sglang's piecewise compile runs within its prefill capture: taken out of capture_s
 _COMPILE_IN_CAPTURE = "Compiling a graph for"
@@ -57,18 +63,31 @@ def log_stamp(line):
     progress bar, a traceback line). The clock is the log's: only differences are meaningful."""
     m = _SGLANG_TS.match(line)
     if m:
-        return _calendar.timegm(_time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")), _log_rank(m.group(2) or "")
+        t = _seconds_of(m.group(1))
+        return None if t is None else (t, _log_rank(m.group(2) or ""))
     m = _VLLM_TS.match(line)
     if m:
         rank = _VLLM_RANK.search(line)
-        return (_calendar.timegm(_time.strptime("2000-" + m.group(2), "%Y-%m-%d %H:%M:%S")),
-                rank.group(1) if rank else "")
+        t = _seconds_of("2000-" + m.group(2))
+        return None if t is None else (t, rank.group(1) if rank else "")
     m = _ASCTIME.search(line)
     if m:
         rank = _VLLM_RANK.search(line[:m.start()])
-        return (_calendar.timegm(_time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000.0,
-                rank.group(1) if rank else "")
+        t = _seconds_of(m.group(1))
+        return None if t is None else (t + int(m.group(2)) / 1000.0, rank.group(1) if rank else "")
     return None
+
+
+def _seconds_of(stamp):
+    """A "YYYY-MM-DD HH:MM:SS" stamp as seconds; None for one no clock shows (month 13, Feb 30)."""
+    try:
+        return _calendar.timegm(_time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def _plausible(seconds):
+    return seconds is not None and seconds == seconds and 0 <= seconds <= MAX_PHASE_S
 
 
 def _log_rank(tag):
@@ -91,6 +110,7 @@ def start_phases(lines, total=None):
         line = raw.rstrip("\n")
         # a progress bar rewrites one line with CRs, and a record may follow on it
         for part in line.split("\r") if "\r" in line else (line,):
+            part = part[:MAX_LINE_CHARS]  # a record's stamp and phase come first; a 50 MB line is not read whole
             st = log_stamp(part)
             if st is None:
                 continue
@@ -109,7 +129,7 @@ def start_phases(lines, total=None):
             if _WEIGHTS_BEGIN.search(part):
                 weights_begin[rank] = t
             elif _WEIGHTS_END.search(part) and "elapsed=" not in part and rank in weights_begin:
-                _phase_add(got, "weights_s", t - weights_begin.pop(rank))
+                _phase_add(got, "weights_s", t - weights_begin.pop(rank))  # (a clock stepped back: left out)
             m = _JIT_PAIR.search(part)
             if m:
                 if m.group(1) == "Loading":
@@ -128,15 +148,30 @@ def start_phases(lines, total=None):
             got["capture_s"] = max(0.0, got["capture_s"] - secs)
     out = {}
     for key in START_PHASES:
-        seen = [r[key] for r in per_rank.values() if key in r]
+        seen = [r[key] for r in per_rank.values() if _plausible(r.get(key))]
         if seen:
             out[key] = round(max(seen), 2)
+    total = _total_of(total)
     if total is not None:
+        # a phase longer than the whole start (20,000 JIT builds "still running" summed) is not one
+        out = {key: value for key, value in out.items() if value <= total + 1.0}
         shown = sum(out.values())
-        out["start_s"] = round(float(total), 2)
-        out["other_s"] = round(max(0.0, float(total) - shown), 2)
+        out["start_s"] = round(total, 2)
+        out["other_s"] = round(max(0.0, total - shown), 2)
     return out
 
 
+def _total_of(total):
+    try:
+        total = float(total) if total is not None else None
+    except (TypeError, ValueError):
+        return None
+    return total if _plausible(total) else None
+
+
 def _phase_add(got, key, seconds):
+    """A phase's seconds added; a negative part (its end logged before its start) or one past
+    MAX_PHASE_S spoils the phase: it is marked unknown (NaN), never summed into a plausible one."""
+    if not 0 <= seconds <= MAX_PHASE_S:
+        seconds = float("nan")
     got[key] = got.get(key, 0.0) + seconds
