@@ -35,7 +35,7 @@ def test_every_real_failure_is_found_named_and_read_to_its_root():
 # 5 of 19 evidence categories wrong, 12/12, 9 of its failures exiting 0. (11/19 right on the code of
 # issue 47; 10/19 since the model was learned again with the two table logs of issue 47 item 5,
 # which moved the k-fold's threshold from 0.86 to 0.87: one of its categories, 0.86, now uncategorised;
-# the same at 0.66, the threshold since blind8-h49 was learned.) blind8-h49 (issue 49) 20/20 found,
+# the same at 0.66, the threshold since blind8-h49 was learned.) blind8-h49 20/20 found,
 # 9/18 category with 2 of 11 shown wrong and 7 uncategorised, 11/12 root, 2 of 6 healthy logs flagged.
 BLIND_BATCHES = {
     "blind-22": (24, 9, (24, 23, 23, 0, 22, 22)),

@@ -1,4 +1,4 @@
-"""diagnose on the shapes the blind batch of issue 49 (blind8-h49: lmdeploy/TurboMind, TensorRT-LLM
+"""diagnose on the shapes the blind batch blind8-h49 (lmdeploy/TurboMind, TensorRT-LLM
 and tritonserver, ROCm, multi-node NCCL, crashes while serving) showed it reading wrong, each from
 its real public log (tests/fixtures/real, sources in its README): an optional import's failure
 logged as a warning, NCCL's own WARN lines above a cut traceback, an exception logged as its whole
