@@ -96,3 +96,32 @@ def test_without_a_hit_the_last_traceback_else_the_tail(LogWatch):
     assert ex[0] == "Traceback (most recent call last):" and ex == log.lines[10:14]
     log, _hit = watched(LogWatch, FIXTURES / "real" / "corplink-rs-73-rust-panic-no-traceback.log")
     assert log.excerpt() == log.lines[-25:]
+
+
+def test_a_server_flooding_long_lines_holds_bounded_memory_in_the_gate(LogWatch, tmp_path):
+    """Lines of 8 MB each were kept whole (20,000 of them); now each kept line is cut, and the
+    kept characters stay under their bound (here scaled down by a subclass: the same code), while
+    the crash line that ends the flood is still found and shown."""
+
+    class SmallWatch(LogWatch):
+        KEEP_LINE_CHARS = 4096
+        KEEP_CHARS = 64 << 10
+        READ_CHUNK = 256 << 10
+
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as fh:
+        for n in range(120):
+            fh.write(f"[2026-12-07 10:00:{n % 60:02d}] line {n} " + "x" * 30000 + "\n")
+        fh.write("Traceback (most recent call last):\n  File \"m.py\", line 1, in f\n"
+                 "torch._dynamo.exc.Unsupported: Attempted to call function marked as skipped\n")
+    watch, hits = SmallWatch(str(log_path), SIGNATURES), []
+    for _ in range(200):
+        hit = watch.poll()
+        hits += [hit] if hit else []
+        assert all(len(line) <= SmallWatch.KEEP_LINE_CHARS for line in watch.lines)
+        assert watch.kept_chars == sum(len(line) for line in watch.lines) <= SmallWatch.KEEP_CHARS
+    watch.settle()
+    assert len(hits) == 1 and "torch._dynamo.exc.Unsupported" in watch.lines[hits[0][1]]
+    assert watch.excerpt(hits[0][1])[-1].startswith("torch._dynamo.exc.Unsupported")
+    first_kept = int(watch.lines[0].split(" line ")[1].split()[0])
+    assert 100 < first_kept < 120  # the oldest went: 64 KiB holds the last few cut lines

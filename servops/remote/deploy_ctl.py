@@ -703,11 +703,16 @@ class LogWatch:
     # the signatures may take on one poll (a pathological regex must not pin the gate).
     READ_CHUNK = 8 << 20
     KEEP_LINES = 20000
+    # what of a line is kept (signatures see MATCH_CHARS, startlog 4 KiB, an excerpt a screen) and
+    # of all lines together: a server flooding 8 MB lines held gigabytes in the gate before
+    KEEP_LINE_CHARS = 16384
+    KEEP_CHARS = 32 << 20
     MATCH_CHARS = 8192
     MATCH_BUDGET_S = 2.0
 
     def __init__(self, path, signatures):
         self.path, self.pos, self.partial, self.lines = path, 0, "", []
+        self.kept_chars = 0
         self.fatal = [re.compile(p) for p in signatures]
         self.dropped = []  # signatures that overran the budget: no longer searched
 
@@ -728,11 +733,23 @@ class LogWatch:
         if len(self.partial) > self.READ_CHUNK:  # a line without end (a progress bar's CRs)
             new.append(self.partial)
             self.partial = ""
-        if len(self.lines) + len(new) > self.KEEP_LINES:
-            del self.lines[:len(self.lines) + len(new) - self.KEEP_LINES // 2]
-        base = len(self.lines)
+        self._keep(new)
+        return self._search(new, len(self.lines) - len(new))
+
+    def _keep(self, new):
+        """Append `new` (each line cut at KEEP_LINE_CHARS, in place); past either bound (lines or
+        characters) the oldest lines go, down to half of it."""
+        new[:] = [line[:self.KEEP_LINE_CHARS] for line in new]
+        self.kept_chars += sum(len(line) for line in new)
+        if len(self.lines) + len(new) > self.KEEP_LINES or self.kept_chars > self.KEEP_CHARS:
+            first = max(0, len(self.lines) + len(new) - self.KEEP_LINES // 2) \
+                if len(self.lines) + len(new) > self.KEEP_LINES else 0  # the oldest line kept
+            self.kept_chars -= sum(len(line) for line in self.lines[:first])
+            while first < len(self.lines) and self.kept_chars > self.KEEP_CHARS // 2:
+                self.kept_chars -= len(self.lines[first])
+                first += 1
+            del self.lines[:first]
         self.lines.extend(new)
-        return self._search(new, base)
 
     def _search(self, new, base):
         timed = threading.current_thread() is threading.main_thread()
@@ -762,7 +779,7 @@ class LogWatch:
         time.sleep(0.3)
         self.poll()
         if self.partial:
-            self.lines.append(self.partial)
+            self._keep([self.partial])
             self.partial = ""
 
     # A failure line a server logs above its traceback ("Piecewise CUDA Graph failed with error:
