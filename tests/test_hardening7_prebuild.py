@@ -25,9 +25,9 @@ exec python3 -c 'import socket, sys, time; s = socket.socket(); s.bind(("127.0.0
 """
 
 
-def deploy_ctl(root: Path, args: dict) -> subprocess.Popen:
+def deploy_ctl(root: Path, args: dict, env: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     proc.stdin.write(remote.with_args("deploy_ctl", dict(args, deploy_root=str(root))))
     proc.stdin.close()
     return proc
@@ -124,3 +124,31 @@ def test_discarding_a_release_whose_warm_up_still_runs_ends_the_warm_up_first(tm
         running.wait()
         for pid in warmup_pids(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_audit_killed_mid_way_leaves_nothing_once_any_command_runs(tmp_path):
+    """An audit program killed by SIGKILL or a dropped session's SIGHUP never reaches its
+    `finally`: its work directory (the shrunk model, the audit server's log) and anything still
+    running in it stayed in /tmp until the next audit. Now the next deploy_ctl command, any verb,
+    removes it; an audit still running (its owner alive) is left alone."""
+    from servops.remote.procs import proc_starttime
+
+    tmp = tmp_path / "tmp"
+    dead, live = tmp / "servops-audit-killed", tmp / "servops-probe-live"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+    (dead / "owner").write_text(f"{os.getpid()} not-its-start-time")  # a pid reused by another program
+    (live / "owner").write_text(f"{os.getpid()} {proc_starttime(os.getpid())}")
+    (dead / "server.log").write_text("the audit server's log\n")
+    held = subprocess.Popen(["sleep", "600"], cwd=dead)  # the audit server, still running in its dir
+    root = tmp_path / "deploy"
+    (root / "releases").mkdir(parents=True)
+    try:
+        reply = reply_of(deploy_ctl(root, {"op": "releases"}, env=dict(os.environ, TMPDIR=str(tmp))))
+        assert reply.get("audit_leftovers_removed") == ["servops-audit-killed"], reply
+        assert held.wait(timeout=10) == -signal.SIGKILL
+        assert not dead.exists() and (live / "owner").exists()
+    finally:
+        held.kill()
+        held.wait()
+

@@ -175,38 +175,8 @@ def prefill_logprobs(port, lengths, vocab, timeout, deadline_s=PROOF_DEADLINE_S)
     return out
 
 
-def sweep_leftovers(prefixes=("servops-audit-", "servops-probe-")):
-    """Work directories of audit programs that were killed (their `owner` pid no longer runs the
-    program that made them): removed, with any process still running in them."""
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith(prefixes) or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            with open(os.path.join(path, "owner")) as f:
-                pid, start = f.read().split()
-            if proc_starttime(int(pid)) == start:
-                continue  # its audit still runs
-        except (OSError, ValueError):
-            try:
-                if time.time() - os.stat(path).st_mtime < 60:
-                    continue  # being made right now (its owner file not written yet)
-            except OSError:
-                continue
-        for pid, facts in process_table().items():
-            try:
-                if os.readlink("/proc/%d/cwd" % pid).startswith(path):
-                    os.kill(pid, signal.SIGKILL)
-            except OSError:
-                continue
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def work_dir(prefix):
-    sweep_leftovers()
+    sweep_audit_leftovers()
     work = tempfile.mkdtemp(prefix=prefix)
     os.chmod(work, 0o700)
     with open(os.path.join(work, "owner"), "w") as f:

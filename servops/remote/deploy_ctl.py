@@ -1660,9 +1660,12 @@ if _SERVOPS_MAIN == "deploy_ctl":
         # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
         UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
         swept = [] if ARGS["op"] in ("follow", "claim", "owns") else orphan_warmups()
+        audits_swept = [] if ARGS["op"] in ("follow", "claim", "owns") else sweep_audit_leftovers()
         out = run_op(ARGS["op"])
         if swept:
             out["orphan_warmups_ended"] = swept
+        if audits_swept:
+            out["audit_leftovers_removed"] = audits_swept
     except FileProblem as exc:
         fail(str(exc))
     out["site"] = []

@@ -430,3 +430,50 @@ def parse_gpu_apps(text):
         apps.append({"pid": pid, "gpu_uuid": parts[1], "used_mib": used if used == used and used not in (
             float("inf"), float("-inf")) else None, "name": ",".join(parts[3:])})
     return apps, skipped
+
+
+AUDIT_WORK_PREFIXES = ("servops-audit-", "servops-probe-")
+
+
+def sweep_audit_leftovers(prefixes=AUDIT_WORK_PREFIXES):
+    """Work directories of audit programs that were killed (their `owner` pid no longer runs the
+    program that made them; SIGKILL or a dropped session's SIGHUP skip its `finally`): removed,
+    with any process still running in them. The audit sweeps before it starts, and every
+    deploy_ctl command too: a host whose next command is no audit is not left holding them."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    root = tempfile.gettempdir()
+    try:
+        names = _os.listdir(root)
+    except OSError:
+        return []
+    swept = []
+    for name in names:
+        path = _os.path.join(root, name)
+        if not name.startswith(prefixes) or _os.path.islink(path) or not _os.path.isdir(path):
+            continue
+        try:
+            if _os.stat(path).st_uid != _os.getuid():
+                continue
+            with open(_os.path.join(path, "owner")) as f:
+                pid, start = f.read().split()
+            if proc_starttime(int(pid)) == start:
+                continue  # its audit still runs
+        except (OSError, ValueError):
+            try:
+                if time.time() - _os.stat(path).st_mtime < 60:
+                    continue  # being made right now (its owner file not written yet)
+            except OSError:
+                continue
+        for pid in process_table():
+            try:
+                if _os.readlink("/proc/%d/cwd" % pid).startswith(path):
+                    _os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        swept.append(name)
+    return swept
