@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke, wait_for
+from conftest import LOADED, REPO, current, healthy, live_guards, playbooks_with, root_of, run_invoke, wait_for
 from servops.remote.jsonl import append_entry, read_entries
 from servops.remote.procs import RELEASE_ENV
 
@@ -253,8 +253,10 @@ def test_3_a_backward_clock_step_does_not_disarm_the_guard(alab, tmp_path):
     os.utime(lease, (time.time() + 3600, time.time() + 3600))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # the guard's rollback stops the sick server and starts the good one, on the guard's clock: two
+    # server operations (a loaded warm run spent more than 120 s on them)
     wait_for(lambda: current(lab) == good and healthy(port) and "guard.rollback" in journal_actions(lab),
-             what="the guard's rollback to the good release")
+             timeout=2 * LOADED, what="the guard's rollback to the good release", step=0.5)
     actions = journal_actions(lab)
     assert actions.count("guard.takeover") == 1 and actions.count("guard.rollback") == 1
     wait_for(lambda: not (root_of(lab) / "deploy.lock").exists(), what="the deploy lock released")

@@ -1660,7 +1660,10 @@ if _SERVOPS_MAIN == "deploy_ctl":
         # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
         UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
         swept = [] if ARGS["op"] in ("follow", "claim", "owns") else orphan_warmups()
-        audits_swept = [] if ARGS["op"] in ("follow", "claim", "owns") else sweep_audit_leftovers()
+        try:
+            audits_swept = [] if ARGS["op"] in ("follow", "claim", "owns") else sweep_audit_leftovers()
+        except OSError:  # a sweep that cannot run (a full disk, /proc unreadable) leaves the command to run
+            audits_swept = []
         out = run_op(ARGS["op"])
         if swept:
             out["orphan_warmups_ended"] = swept

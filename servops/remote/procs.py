@@ -445,7 +445,10 @@ def sweep_audit_leftovers(prefixes=AUDIT_WORK_PREFIXES):
     import tempfile
     import time
 
-    root = tempfile.gettempdir()
+    # (where mkdtemp puts them; never tempfile.gettempdir() itself, which writes a probe file in
+    # each candidate: on a full disk it raises, and this sweep must never fail the command it precedes)
+    root = tempfile.tempdir or next((_os.environ[v] for v in ("TMPDIR", "TEMP", "TMP") if _os.environ.get(v)),
+                                    "/tmp")
     try:
         names = _os.listdir(root)
     except OSError:
