@@ -53,12 +53,18 @@ def wait_for(predicate, timeout: float = 20) -> bool:
     return False
 
 
-def test_a_warm_up_whose_program_was_killed_is_ended_by_the_next_command(tmp_path):
+def start_warmup(tmp_path: Path, tag: str) -> tuple[Path, subprocess.Popen]:
+    """A deploy root with one release, and deploy_ctl's warm-up of it running (its server marked `tag`)."""
     root = tmp_path / "deploy"
     (root / "releases" / RELEASE).mkdir(parents=True)
-    tag, port = str(os.getpid()), free_port()
-    killed = deploy_ctl(root, {"op": "warmup", "name": RELEASE, "port": port, "health": {}, "timeout": 120,
-                               "script": SERVER.format(port=port, tag=tag)})
+    port = free_port()
+    return root, deploy_ctl(root, {"op": "warmup", "name": RELEASE, "port": port, "health": {}, "timeout": 120,
+                                   "script": SERVER.format(port=port, tag=tag)})
+
+
+def test_a_warm_up_whose_program_was_killed_is_ended_by_the_next_command(tmp_path):
+    tag = str(os.getpid())
+    root, killed = start_warmup(tmp_path, tag)
     try:
         assert wait_for(lambda: warmup_pids(tag)), killed.stderr.read() if killed.poll() is not None else ""
         os.kill(killed.pid, signal.SIGKILL)  # mid-way: the warm-up server up, not yet healthy
@@ -75,11 +81,8 @@ def test_a_warm_up_whose_program_was_killed_is_ended_by_the_next_command(tmp_pat
 
 
 def test_a_warm_up_still_watched_by_its_program_is_left_to_it(tmp_path):
-    root = tmp_path / "deploy"
-    (root / "releases" / RELEASE).mkdir(parents=True)
-    tag, port = f"{os.getpid()}-live", free_port()
-    running = deploy_ctl(root, {"op": "warmup", "name": RELEASE, "port": port, "health": {}, "timeout": 120,
-                                "script": SERVER.format(port=port, tag=tag)})
+    tag = f"{os.getpid()}-live"
+    root, running = start_warmup(tmp_path, tag)
     try:
         assert wait_for(lambda: warmup_pids(tag) and (root / "releases" / RELEASE / "warmup.owner").exists())
         assert "orphan_warmups_ended" not in reply_of(deploy_ctl(root, {"op": "releases"}))
@@ -107,11 +110,8 @@ def test_a_server_port_near_the_top_gets_a_warm_up_port_that_exists_and_is_free(
 
 
 def test_discarding_a_release_whose_warm_up_still_runs_ends_the_warm_up_first(tmp_path):
-    root = tmp_path / "deploy"
-    (root / "releases" / RELEASE).mkdir(parents=True)
-    tag, port = f"{os.getpid()}-discard", free_port()
-    running = deploy_ctl(root, {"op": "warmup", "name": RELEASE, "port": port, "health": {}, "timeout": 120,
-                                "script": SERVER.format(port=port, tag=tag)})
+    tag = f"{os.getpid()}-discard"
+    root, running = start_warmup(tmp_path, tag)
     try:
         assert wait_for(lambda: warmup_pids(tag))
         # the aborted deploy's undo (Ctrl-C mid pre-build), its warm-up program not yet gone: before, the

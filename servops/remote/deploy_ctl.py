@@ -1659,16 +1659,15 @@ if _SERVOPS_MAIN == "deploy_ctl":
         check_root()
         # Every command (any verb) sees a deploy that never finished; a dead guard starts again.
         UNFINISHED = [] if ARGS["op"] in ("follow", "claim", "owns") else unfinished_deploys()
-        swept = [] if ARGS["op"] in ("follow", "claim", "owns") else orphan_warmups()
+        # (what a killed program left beside the server: ended by any command but a guard's own)
+        sweeps = {} if ARGS["op"] in ("follow", "claim", "owns") else {"orphan_warmups_ended": orphan_warmups()}
         try:
-            audits_swept = [] if ARGS["op"] in ("follow", "claim", "owns") else sweep_audit_leftovers()
+            if sweeps:
+                sweeps["audit_leftovers_removed"] = sweep_audit_leftovers()
         except OSError:  # a sweep that cannot run (a full disk, /proc unreadable) leaves the command to run
-            audits_swept = []
+            pass
         out = run_op(ARGS["op"])
-        if swept:
-            out["orphan_warmups_ended"] = swept
-        if audits_swept:
-            out["audit_leftovers_removed"] = audits_swept
+        out.update((key, names) for key, names in sweeps.items() if names)
     except FileProblem as exc:
         fail(str(exc))
     out["site"] = []
