@@ -9,11 +9,14 @@
 #   phases    deploy llama8b (its first start: cold JIT/compile caches), restart twice, status, history:
 #             the start-up split into weights / JIT / compile / capture / other (issue #46.3)
 #   downtime  bench/jit_downtime.py: a deploy of llama8b-pw (piecewise: new compile kernels, pre-built
-#             beside the serving server) against a plain restart of it (issue #46.4; goal <= 1.3)
+#             beside the serving server) against a plain restart of it (issue #46.4; goal <= 1.3), on
+#             caches of its own (/tmp/servops-jit-dt, empty at first): its first deploy of llama8b is a
+#             cold first start (every JIT build), whatever the audit or a campaign built before
 #   short     tune piecewise-8b-short (128-token prompts): llama8b / -cg / -pw / -breakable, repeated on
 #   long      fresh starts until the intervals are known; `long`: 2048-token prompts
 #   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
-# QUICK=1 runs the campaigns with 128 requests and at most 3 runs a trial (a shorter GPU call).
+# QUICK=1 runs the campaigns lean, for a 30-minute GPU session: each level sends max(2 x level, 16)
+# requests of 64 output tokens, twice on one start (the interval), no fresh-start repeats.
 # Output in $OUT (default /tmp/out): servops-8b.log (every command, rc, seconds), piecewise-8b.md, results-8b.tgz.
 set -uo pipefail
 export PATH=/tmp/sshroot/bin:/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +33,8 @@ gpu = inv["all"]["children"]["gpu"]["vars"]
 gpu.update(model_path=sys.argv[2], jit_cache_dir="/tmp/servops-jit", health_timeout=1800,
            jit_warmup_args={"mem-fraction-static": 0.35})
 open("inventory/gpu-8b.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
+gpu["jit_cache_dir"] = "/tmp/servops-jit-dt"
+open("inventory/gpu-8b-dt.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
 PYEOF
 export SERVOPS_INVENTORY=inventory/gpu-8b.yml
 run() { echo "### $*" | tee -a "$O/servops-8b.log"; local t0=$(date +%s.%N); timeout 3000 "$@" >>"$O/servops-8b.log" 2>&1; local rc=$?;
@@ -37,7 +42,8 @@ run() { echo "### $*" | tee -a "$O/servops-8b.log"; local t0=$(date +%s.%N); tim
 if [ "${QUICK:-0}" = 1 ]; then  # shorter copies of the two campaigns, under the same names
   mkdir -p "$O/campaigns"
   for c in piecewise-8b-short piecewise-8b-long; do
-    sed -e 's/requests: 256/requests: 128/' -e 's/max_repeats: 4/max_repeats: 3/' "campaigns/$c.yml" > "$O/campaigns/$c.yml"
+    sed -e 's/requests: 256/requests: 0/' -e 's/output_len: 128/output_len: 64/' -e 's/max_repeats: 4/max_repeats: 1/' \
+        "campaigns/$c.yml" > "$O/campaigns/$c.yml"
   done
   export SERVOPS_CAMPAIGNS="$O/campaigns"
 fi
@@ -46,7 +52,9 @@ for step in "$@"; do case $step in
   fix) run $PY -m invoke audit --fix --variant llama8b-pw -H $H;;
   phases) run $PY -m invoke deploy --variant llama8b -H $H; run $PY -m invoke restart -H $H; run $PY -m invoke restart -H $H
           run $PY -m invoke status -H $H; run $PY -m invoke history -H $H; run $PY -m invoke check --variant llama8b-pw -H $H;;
-  downtime) run $PY bench/jit_downtime.py -I inventory/gpu-8b.yml -H $H --base llama8b --new llama8b-pw;;
+  downtime) mkdir -p -m 700 /tmp/servops-jit-dt
+            run $PY bench/jit_downtime.py -I inventory/gpu-8b-dt.yml -H $H --base llama8b --new llama8b-pw
+            SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml run $PY -m invoke history -H $H;;
   short) run $PY -m invoke tune piecewise-8b-short -H $H;;
   long) run $PY -m invoke tune piecewise-8b-long -H $H;;
   table) run $PY bench/piecewise_value.py -H $H piecewise-8b-short piecewise-8b-long
