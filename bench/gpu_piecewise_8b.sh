@@ -8,6 +8,8 @@
 #             custom-op patch that the -pw trials' deploys then take (run it before downtime/short/long)
 #   phases    deploy llama8b (its first start: cold JIT/compile caches), restart twice, status, history:
 #             the start-up split into weights / JIT / compile / capture / other (issue #46.3)
+#   pw        #45.6 in one short call: llama8b deployed, then llama8b-pw beside it (its audit stage meets
+#             the kernel-loader break and takes the stored proven patch), benched, rolled back, benched
 #   downtime  bench/jit_downtime.py: a deploy of llama8b-pw (piecewise: new compile kernels, pre-built
 #             beside the serving server) against a plain restart of it (issue #46.4; goal <= 1.3), on
 #             caches of its own (/tmp/servops-jit-dt, empty at first): its first deploy of llama8b is a
@@ -52,6 +54,9 @@ for step in "$@"; do case $step in
   fix) run $PY -m invoke audit --fix --variant llama8b-pw -H $H;;
   phases) run $PY -m invoke deploy --variant llama8b -H $H; run $PY -m invoke restart -H $H; run $PY -m invoke restart -H $H
           run $PY -m invoke status -H $H; run $PY -m invoke history -H $H; run $PY -m invoke check --variant llama8b-pw -H $H;;
+  pw) B=(bench --levels 1,8,32,128 --input-len 128 --output-len 64 -H $H)
+      run $PY -m invoke deploy --variant llama8b -H $H; run $PY -m invoke deploy --variant llama8b-pw -H $H
+      run $PY -m invoke "${B[@]}"; run $PY -m invoke rollback -H $H; run $PY -m invoke "${B[@]}";;
   downtime) mkdir -p -m 700 /tmp/servops-jit-dt
             run $PY bench/jit_downtime.py -I inventory/gpu-8b-dt.yml -H $H --base llama8b --new llama8b-pw
             SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml run $PY -m invoke history -H $H;;

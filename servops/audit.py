@@ -47,6 +47,7 @@ from .transport import HostSession
 SHIM = Path(__file__).resolve().parent / "remote" / "audit_shim.py"
 MODEL = "{SERVOPS_AUDIT_MODEL}"
 PORT = "{SERVOPS_AUDIT_PORT}"
+MEM = "{SERVOPS_AUDIT_MEM}"     # the host sizes it at launch (the GPU's free memory, the shrunk weights)
 DEFAULT_ROUNDS = 4
 DEFAULT_TOLERANCE = 0.02     # nats: |compiled - eager| input-token logprob, at every captured size
 STDLIB_MARKERS = ("/lib/python3", "/importlib/", "<frozen")
@@ -203,9 +204,10 @@ def audit_argv(engine: engines.Engine, launch: Launch, overrides: dict) -> list[
 def audit_launch(hs: HostSession, engine: engines.Engine, launch: Launch, *, eager: dict | None = None) -> dict:
     """The audit server's launch: the release's own, with the audit's overrides (and, for the eager
     reference, the release's flags that turn the prefill graph off)."""
-    overrides = engine.audit_args(MODEL, PORT, float(hs.host.get("audit_mem_fraction") or 0.05))
+    overrides = engine.audit_args(MODEL, PORT, MEM)
     overrides.update(eager or {})
     return {"module": engine.server_module(hs.host), "argv": audit_argv(engine, launch, overrides),
+            "mem_of": engine.audit_mem_of,
             "env": dict(launch.env, **launch.secret_env), "health": engine.health.get("endpoint", "/health")}
 
 

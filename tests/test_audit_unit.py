@@ -16,7 +16,8 @@ import pytest
 from servops import audit, engines, synth
 from servops.auditstage import launch_compiles
 from servops.lab import venvs
-from servops.remote.model_shrink import read_config, shrink_config
+from servops.lab import modelgen
+from servops.remote.model_shrink import audit_memory, read_config, shrink_config, shrunk_weight_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "audit"
 ENGINE_CODE = ("sglang", "sgl_kernel", "sglang_double", "piecewise_model", "sglang_args")
@@ -207,6 +208,60 @@ def test_the_config_is_read_bounded_never_from_a_fifo_or_a_device(tmp_path):
     big.mkdir()
     (big / "config.json").write_text("{" + " " * (5 << 20) + "}")
     assert "bytes" in read_config(str(big))[1]
+
+
+# ---- the audit server's GPU memory: the shrunk weights, sized against what is free now -------------
+
+def checkpoint_headers(out: Path, shape: str, dtype: str) -> int:
+    """A checkpoint's safetensors files as modelgen lays them out, headers only (sparse files of
+    their real length, no weights written); the bytes of its tensors outside the layers and in layer 0."""
+    out.mkdir()
+    specs = modelgen.tensor_specs(modelgen.shape_of(shape), dtype)
+    for i, part in enumerate(modelgen.shards(specs)):
+        with open(out / f"model-{i + 1:05d}.safetensors", "wb") as f:
+            f.write(modelgen.safetensors_header(part))
+            f.truncate(f.tell() + sum(map(modelgen.nbytes, part)))
+    return sum(modelgen.nbytes(s) for s in specs if ".layers." not in s[0] or ".layers.0." in s[0])
+
+
+def test_the_shrunk_weights_are_read_from_the_checkpoints_headers(tmp_path):
+    kept_one = checkpoint_headers(tmp_path / "llama8b", "llama3-8b", "fp8")
+    assert shrunk_weight_bytes(str(tmp_path / "llama8b"), 1) == kept_one
+    assert 2.2e9 < kept_one < 2.4e9  # the 128,256 x 4,096 embedding and head in bf16 are most of it
+    assert shrunk_weight_bytes(str(tmp_path / "llama8b"), 32) > 9.0e9  # every layer: the whole 9.1 GB
+    assert shrunk_weight_bytes(str(tmp_path), 1) is None  # no safetensors: not known, never 0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.safetensors").write_bytes(b"\xff" * 8 + b"{}")  # a header length past any real one
+    assert shrunk_weight_bytes(str(tmp_path / "bad"), 1) is None
+
+
+def sglang_kv_bytes(free_before: float, weights: float, fraction: float) -> float:
+    """sglang 0.5.17's KV pool (kv_cache_configurator._profile_available_bytes): what is free after
+    the weights, less (1 - fraction) of what was free before them."""
+    return (free_before - weights) - free_before * (1 - fraction)
+
+
+def test_beside_a_serving_server_the_audits_share_is_sized_for_its_weights():
+    # the H100 of 2026-12-07: a serving llama8b held 36.7 GiB when the deploy's audit started; with
+    # --mem-fraction-static 0.05 of what was free, the shrunk model's 2.3 GB of weights left the KV
+    # pool nothing and the audit server died at start
+    gpu = {"index": 0, "total_mib": 81559, "free_mib": 81559 - 36700}
+    weights_mib = 2.3e9 / 2 ** 20
+    assert sglang_kv_bytes(gpu["free_mib"] - 1024, weights_mib, 0.05) < 0
+    sized = audit_memory([gpu], 0.05, 3072, "free", weights_mib)
+    assert not sized["short"]
+    assert sglang_kv_bytes(gpu["free_mib"] - 1024, weights_mib, float(sized["value"])) >= 2048
+    # alone on the card the share is what it was; vLLM's share is of the whole card either way
+    assert audit_memory([dict(gpu, free_mib=81000)], 0.05, 3072, "free", weights_mib)["value"] == "0.054"
+    assert audit_memory([gpu], 0.05, 3072, "total", weights_mib)["value"] == "0.053"
+    # not known: the configured share, at least a KV reserve
+    assert audit_memory([gpu], 0.05, 3072, "total", None)["value"] == "0.050"
+
+
+def test_too_little_free_memory_for_the_weights_is_not_audited_with_what_it_needs():
+    gpu = {"index": 0, "total_mib": 81559, "free_mib": 6000}
+    sized = audit_memory([gpu], 0.05, 3072, "free", 4000)
+    assert sized["short"] == [gpu] and sized["need_mib"] == 4000 + 2048 + 3072
 
 
 # ---- which launches compile -----------------------------------------------------------------------

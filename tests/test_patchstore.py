@@ -31,9 +31,11 @@ def test_shipped_patch_loads_and_targets_the_real_file():
     assert p.preflight["call"] == "is_cuda_version_at_least"
     shipped = sorted(x.name for x in all_patches())
     assert [n for n in shipped if not n.startswith(("flashinfer-fp4-", "flashinfer-mm-fp4-"))] == [
-        "cpu-attention-amx-permission", "cuda-version-no-subprocess", "flashinfer-fp8-blockscale-custom-op"]
-    # the sglang fix set for the FP4 path: one patch per release range (tests/test_sglang_fp4_fix_set.py)
-    assert len(shipped) == 3 + 6
+        "audit-per-token-group-quant-0.5.17", "cpu-attention-amx-permission", "cuda-version-no-subprocess",
+        "flashinfer-fp8-blockscale-custom-op"]
+    # the sglang fix set for the FP4 path: one patch per release range (tests/test_sglang_fp4_fix_set.py);
+    # one the audit synthesised and proved on an H100 (tests/test_sglang_fix_set.py)
+    assert len(shipped) == 4 + 6
 
 
 def test_the_vllm_cpu_patch_targets_the_releases_it_was_checked_on():

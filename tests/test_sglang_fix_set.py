@@ -40,6 +40,32 @@ def test_piecewise_resolves_the_fix_set_of_each_release(version, expected):
     assert any("+patch flashinfer-fp8-blockscale-custom-op" in r for r in rules) == (len(expected) == 2)
 
 
+def test_the_patch_the_audit_synthesised_on_the_gpu_applies_to_its_release_only(tmp_path):
+    """patches/sglang/audit-per-token-group-quant-0.5.17: written and proven by `invoke audit --fix`
+    on an H100 (2026-12-07), stored as the cache of that proof: it applies to the released 0.5.17
+    file with patch(1) and no fuzz, the result compiles, a second apply is refused, and its
+    applies_to is that release alone."""
+    import py_compile
+    import subprocess
+    import zipfile
+
+    from servops.lab.venvs import cached_sglang_wheel
+    from servops.patchstore import find_patch
+
+    p = find_patch("audit-per-token-group-quant-0.5.17")
+    assert p.version_ok("0.5.17") and not p.version_ok("0.5.16") and not p.version_ok("0.5.18")
+    wheel = cached_sglang_wheel("0.5.17")
+    if wheel is None:
+        pytest.skip("sglang 0.5.17: not cached and the download failed (offline?)")
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(p.files[0], tmp_path)
+    patch = ["patch", "-p1", "-F0", "-N", "-s", "-d", str(tmp_path)]
+    assert subprocess.run(patch, input=p.text.encode(), capture_output=True).returncode == 0
+    py_compile.compile(str(tmp_path / p.files[0]), doraise=True)
+    assert "servops::sglang_per_token_group_quant_" in (tmp_path / p.files[0]).read_text()
+    assert subprocess.run(patch + ["--dry-run"], input=p.text.encode(), capture_output=True).returncode != 0
+
+
 def test_diagnose_names_the_gpu_crashes_and_the_healthy_capture():
     """The server.logs of the H100 run (bench/evidence/seed-sm90/): the flashinfer patch alone is the
     JIT-loader crash, with the fix it names; the complete set's log is a healthy server."""

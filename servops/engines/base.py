@@ -30,6 +30,8 @@ class Engine:
     packages: tuple[str, ...] = ()                   # its code's top-level packages (a break's engine frames)
     audit_overrides: dict = field(default_factory=dict)   # server args of the audit's side server
                                                      # ({model}, {port}, {mem} filled in); None drops a flag
+    audit_mem_of: str = "total"                      # what its {mem} flag is a share of: the GPU's
+                                                     # "total" memory, or the memory "free" at its start
     prefill_eager: tuple[tuple[str, dict], ...] = ()  # (version specifier, server args): the prefill
                                                      # without its compiled graph, per release
     workarounds: tuple[tuple[str, str], ...] = ()     # (version specifier, text): the release's own flag
@@ -38,8 +40,8 @@ class Engine:
     compiles_by_default: tuple[tuple[str, str], ...] = ()  # (version specifier, server arg that turns it off)
 
 
-    def audit_args(self, model: str, port: str, mem_fraction: float) -> dict:
-        fill = {"{model}": model, "{port}": port, "{mem}": f"{mem_fraction:g}"}
+    def audit_args(self, model: str, port: str, mem: str) -> dict:
+        fill = {"{model}": model, "{port}": port, "{mem}": mem}
         return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in self.audit_overrides.items()}
 
     def by_version(self, rules, version: str | None):

@@ -36,6 +36,10 @@ ENGINE = Engine(
     audit_overrides={"model-path": "{model}", "port": "{port}", "host": "127.0.0.1", "load-format": "dummy",
                      "mem-fraction-static": "{mem}", "skip-server-warmup": True, "nnodes": None, "node-rank": None,
                      "dist-init-addr": None},
+    # --mem-fraction-static is a share of the memory free when the server starts (0.5.17's
+    # kv_cache_configurator: the KV pool is what is free after the weights less (1 - fraction) x the
+    # free memory before them): beside a serving server a fixed 0.05 leaves the weights no room
+    audit_mem_of="free",
     # the prefill graph off, per release (playbooks/piecewise.yml names where each rule comes from)
     prefill_eager=((">=0.5.14", {"enable-piecewise-cuda-graph": None, "enforce-piecewise-cuda-graph": None,
                                  "cuda-graph-backend-prefill": "disabled"}),

@@ -191,7 +191,7 @@ def run_audit():
     if config is None:
         reply({"state": "not-audited", "why": why})
         return
-    gpus = None
+    gpus, mem = None, "%g" % float(ARGS.get("mem_fraction") or 0.05)
     if ARGS.get("device", "cuda") == "cuda":
         wanted = int(ARGS.get("gpus_needed") or 1)
         fraction, overhead = float(ARGS.get("mem_fraction") or 0.05), int(ARGS.get("overhead_mib") or 3072)
@@ -201,15 +201,20 @@ def run_audit():
                    "capture runs on %d GPU(s) with %.0f%% of each one's memory plus ~%d MiB" % (
                        wanted, fraction * 100, overhead)})
             return
-        need = lambda g: int(fraction * g["total_mib"]) + overhead  # noqa: E731
-        short = [g for g in gpus[:wanted] if g["free_mib"] < need(g)]
-        if short or len(gpus) < wanted:
+        shrunk, kept = shrink_config(config)
+        weights = shrunk_weight_bytes(ARGS["model_path"], kept["kept"]) if shrunk else None
+        sized = audit_memory(gpus[:wanted], fraction, overhead, launch.get("mem_of") or "total",
+                             None if weights is None else weights / wanted / (1 << 20))
+        if sized["short"] or len(gpus) < wanted:
             reply({"state": "not-audited", "gpus": gpus,
                    "why": "too little free GPU memory: the audit needs %d GPU(s) with %s; %s" % (
-                       wanted, ", ".join("%d MiB free on GPU %d (it has %d)" % (need(g), g["index"], g["free_mib"])
-                                         for g in (short or gpus)[:8]),
-                       "set audit_mem_fraction lower, or free memory" if short else "the host has %d" % len(gpus))})
+                       wanted, ", ".join("%d MiB free on GPU %d (it has %d)" % (sized["need_mib"], g["index"],
+                                                                                 g["free_mib"])
+                                         for g in (sized["short"] or gpus)[:8]),
+                       "free memory, or set audit_mem_fraction lower" if sized["short"] else
+                       "the host has %d" % len(gpus))})
             return
+        mem = sized["value"]
     work = work_dir("servops-audit-")
     proc = None
     try:
@@ -229,7 +234,8 @@ def run_audit():
             with open(os.path.join(work, os.path.basename(name)), "w") as f:
                 f.write(text)
         port = free_port()
-        argv = [{"{SERVOPS_AUDIT_MODEL}": model, "{SERVOPS_AUDIT_PORT}": str(port)}.get(a, a) for a in launch["argv"]]
+        argv = [{"{SERVOPS_AUDIT_MODEL}": model, "{SERVOPS_AUDIT_PORT}": str(port),
+                 "{SERVOPS_AUDIT_MEM}": mem}.get(a, a) for a in launch["argv"]]
         env = dict(os.environ)
         env.update(launch.get("env") or {})
         env["PYTHONPATH"] = work + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -1,14 +1,18 @@
 # model_shrink: a model's config.json read bounded, and shrunk to the fewest layers that keep every
 # layer kind (dense and MoE MLPs, attention types, RoPE or not), for the audit's side server (its
-# weights are dummy: only the config and the tokenizer files travel). Standard library only: a
+# weights are dummy: only the config and the tokenizer files travel), and the GPU memory that server
+# needs (the shrunk weights read from the checkpoint's safetensors headers). Standard library only: a
 # library of audit_compile.py, importable as servops.remote.model_shrink for tests.
 import json
+import math
 import os
 
 MAX_CONFIG_BYTES = 4 << 20        # a model's config.json: a real one is a few kB
 MAX_LAYERS = 4096                 # the deepest real models have a few hundred; past this a count is a lie
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MAX_SHARDS = 4096                 # safetensors files read for the weights' size
+MAX_HEADER_BYTES = 64 << 20       # one safetensors header (a real one is a few MB at most)
 
 
 def read_config(model_path):
@@ -176,3 +180,86 @@ def shrunk_model(model_path, config, work):
     return out, info
 
 
+
+
+# ---- how much the shrunk model's weights take ------------------------------------------------------
+
+_LAYER_INDEX = None
+
+
+def _layer_of(name):
+    """The decoder layer a tensor belongs to (None: embeddings, norms, the head, a vision tower)."""
+    global _LAYER_INDEX
+    if _LAYER_INDEX is None:
+        import re
+        _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+    if "vision" in name or "visual" in name:
+        return None
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _safetensors_header(path):
+    """{tensor: entry} of one safetensors file, bounded; None where it is not one."""
+    import struct
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            size = struct.unpack("<Q", head)[0]
+            if not 2 <= size <= MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(size).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def shrunk_weight_bytes(model_path, kept):
+    """The bytes of the weights the shrunk model (its first `kept` layers) holds, from the
+    checkpoint's safetensors headers (dummy weights take what real ones would); None where the
+    checkpoint has none to read."""
+    model_path = os.path.expanduser(model_path)
+    try:
+        names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))[:MAX_SHARDS]
+    except OSError:
+        return None
+    total, read = 0, 0
+    for name in names:
+        header = _safetensors_header(os.path.join(model_path, name))
+        if header is None:
+            continue
+        read += 1
+        for tensor, entry in header.items():
+            if tensor == "__metadata__" or not isinstance(entry, dict):
+                continue
+            offsets = entry.get("data_offsets")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+                continue
+            layer = _layer_of(tensor)
+            if layer is None or layer < kept:
+                total += max(0, offsets[1] - offsets[0])
+    return total if read else None
+
+
+# ---- the audit server's memory ------------------------------------------------------------------
+
+KV_RESERVE_MIB = 2048             # the audit's KV cache: past its largest capture size for a few layers
+CONTEXT_MIB = 1024                # what the engine's CUDA context takes before it measures the free memory
+
+
+def audit_memory(gpus, fraction, overhead_mib, mem_of, weights_mib):
+    """The audit server's memory flag, sized for the GPUs as they are now: its budget is the larger
+    of `fraction` of a GPU and the shrunk model's weights plus a KV reserve; an engine whose flag is
+    a share of the memory free at its start ("free": sglang) gets that budget over what is free (a
+    fixed share beside a serving server leaves the weights no room), one whose flag is a share of
+    the whole GPU ("total": vLLM) over the total. {value, need_mib, short: GPUs with too little}."""
+    total = min(g["total_mib"] for g in gpus)
+    free = min(g["free_mib"] for g in gpus)
+    budget = max(fraction * total, (weights_mib or 0) + KV_RESERVE_MIB)
+    need = int(budget) + overhead_mib
+    short = [g for g in gpus if g["free_mib"] < need]
+    base = free - CONTEXT_MIB if mem_of == "free" else total
+    share = min(0.95, budget / base) if base > 0 else 0.95
+    return {"value": "%.3f" % (math.ceil(share * 1000) / 1000), "need_mib": need, "short": short}
