@@ -307,6 +307,20 @@ def _lines(value) -> list:
     return value if isinstance(value, list) else []
 
 
+def why_it_ended(log_tail) -> str:
+    """What the end of an audit server's log says it died of: the root error diagnose would show
+    (sglang's scheduler traceback, not the "Received sigquit" and kill_process_tree lines that
+    close every such log), else its last lines."""
+    from .diagnose import shows_a_cause
+    from .remote.tracebacks import scan
+
+    lines = [str(x) for x in _lines(log_tail)]
+    cause = next((f for f in scan("\n".join(lines)).get("findings") or [] if shows_a_cause(f)), None)
+    if cause:
+        return one_line(cause["root_exception"], 1000)
+    return " | ".join(map(one_line, lines[-3:]))
+
+
 def _what(value) -> str:
     if isinstance(value, list):
         return f"{len(value)} logprobs"
@@ -414,7 +428,7 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
             if rnd.state != "healthy":
                 outcome.verdict = "failed"
                 outcome.why = (f"the audit server ended {rnd.state} (exit {res.get('exit_code')}) without a dynamo "
-                               f"break: " + " | ".join(map(one_line, _lines(res.get("log_tail"))[-3:])))[:1500]
+                               f"break: " + why_it_ended(res.get("log_tail")))[:1500]
                 rnd.detail = outcome.why
                 say(f"round {number}: {outcome.why}")
                 return outcome
@@ -482,7 +496,7 @@ def prove(plan: Plan, files: dict[str, str], compare: dict, patches: list[Patch]
     if not isinstance(eager, dict):
         outcome.verdict = "failed"
         outcome.why = (f"the eager reference server ended {ref.get('state')}: not proven, nothing deployed; "
-                       + " | ".join(map(one_line, _lines(ref.get("log_tail"))[-2:])))[:1500]
+                       + why_it_ended(ref.get("log_tail")))[:1500]
         say(outcome.why)
         return False
     result = compare_logprobs(compiled, eager, tolerance)

@@ -264,6 +264,28 @@ def test_too_little_free_memory_for_the_weights_is_not_audited_with_what_it_need
     assert sized["short"] == [gpu] and sized["need_mib"] == 4000 + 2048 + 3072
 
 
+def test_an_audit_server_that_died_at_start_is_said_to_have_died_of_its_root_error():
+    # the H100's audit beside a serving server (2026-12-07) reported only the two lines that close
+    # every such sglang log; the error above them is sglang 0.5.17's own (kv_cache_configurator.py)
+    tail = ["[2026-12-07 13:48:20] Load weight end. elapsed=1.07 s, type=LlamaForCausalLM",
+            "[2026-12-07 13:48:31] Scheduler hit an exception: Traceback (most recent call last):",
+            '  File "/tmp/sgvenv/lib/python3.12/site-packages/sglang/srt/managers/scheduler.py", line 3000, '
+            "in run_scheduler_process",
+            "    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank)",
+            '  File "/tmp/sgvenv/lib/python3.12/site-packages/sglang/srt/mem_cache/kv_cache_configurator.py", '
+            "line 1646, in _profile_available_bytes",
+            "    raise ValueError(",
+            "ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.05. "
+            "Raise --mem-fraction-static above 0.952 (minimum viable = 1 - available/pre = 0.9512).",
+            "",
+            "[2026-12-07 13:48:32] Received sigquit from a child process. It usually means the child failed.",
+            "[2026-12-07 13:48:32] kill_process_tree called: parent_pid=3433, include_parent=True, pid=3433"]
+    assert audit.why_it_ended(tail).startswith("ValueError: Loaded weights leave no GPU memory for the KV cache")
+    # no error in the tail: its last lines, as before
+    assert audit.why_it_ended(tail[-2:]) == " | ".join(tail[-2:])
+    assert audit.why_it_ended(None) == ""
+
+
 # ---- which launches compile -----------------------------------------------------------------------
 
 def test_which_sglang_launches_compile():

@@ -114,7 +114,7 @@ def test_the_plan_reuses_what_the_ledger_holds_and_times_the_rest_from_history()
     plan = jitcache.plan(SGLANG, ARGV, {"dir": "/c", "ledger": ledger, "versions": VERSIONS})
     assert [(p.kind, p.reuse, p.expected_s) for p in plan.kinds] == [("jit_s", True, 0.4), ("compile_s", False, 50.0)]
     assert plan.lines() == [
-        "caches in /c: JIT kernels (flashinfer, deep_gemm, triton): reuse, built by r1 at 2026-12-07T00:00:00Z; its "
+        "caches in /c: JIT kernels (flashinfer, deep_gemm, triton, tvm_ffi): reuse, built by r1 at 2026-12-07T00:00:00Z; its "
         "latest start spent 0.4s there",
         "caches in /c: torch.compile (torch_compile, inductor): rebuild, expected ~50s (the median of this host's 2 "
         "earlier builds)"]
@@ -133,7 +133,8 @@ def test_the_plan_reuses_what_the_ledger_holds_and_times_the_rest_from_history()
 def test_cache_env_points_each_engine_variable_under_the_host_dir():
     env = jitcache.cache_env(SGLANG, Host("h", {"jit_cache_dir": "/var/cache/jit/"}))
     assert env == {"FLASHINFER_WORKSPACE_BASE": "/var/cache/jit/flashinfer", "SGLANG_DG_CACHE_DIR": "/var/cache/jit/deep_gemm",
-                   "TRITON_CACHE_DIR": "/var/cache/jit/triton", "SGLANG_CACHE_DIR": "/var/cache/jit/torch_compile",
+                   "TRITON_CACHE_DIR": "/var/cache/jit/triton",
+                   "TVM_FFI_CACHE_DIR": "/var/cache/jit/tvm_ffi", "SGLANG_CACHE_DIR": "/var/cache/jit/torch_compile",
                    "TORCHINDUCTOR_CACHE_DIR": "/var/cache/jit/inductor"}
     assert jitcache.cache_env(engines.get("vllm"), Host("h", {"jit_cache_dir": "/c"}))["VLLM_CACHE_ROOT"] == "/c/torch_compile"
     assert jitcache.cache_env(SGLANG, Host("h", {})) == {}

@@ -108,9 +108,9 @@ def test_caches_are_planned_and_a_deploy_builds_its_kernels_before_the_old_serve
         base = deployed(out)
 
         code, out = invoke(inv, env, "check", "--variant", "jitbase")
-        assert code == 0 and f"JIT kernels (flashinfer, deep_gemm, triton): reuse, built by {base} at" in out, out
+        assert code == 0 and f"JIT kernels (flashinfer, deep_gemm, triton, tvm_ffi): reuse, built by {base} at" in out, out
         code, out = invoke(inv, env, "check", "--variant", "jittriton")
-        assert code == 0 and re.search(r"JIT kernels \(flashinfer, deep_gemm, triton\): rebuild, expected ~\ds \(the "
+        assert code == 0 and re.search(r"JIT kernels \(flashinfer, deep_gemm, triton, tvm_ffi\): rebuild, expected ~\ds \(the "
                                        r"median of this host's 1 earlier build\)", out), out
 
         releases_before = sorted(os.listdir(root_of(lab) / "releases"))

@@ -53,9 +53,13 @@ ENGINE = Engine(
                  ("<0.5.10", "drop flag --enable-piecewise-cuda-graph")),
     # where its JIT builds and compiled graphs go: FlashInfer's workspace (flashinfer/jit/env.py),
     # DeepGEMM's (sglang's deep_gemm_wrapper/compile_utils.py sets DG_JIT_CACHE_DIR from it),
-    # triton's, inductor's, and sglang's own torch_compile_cache (compilation/backend.py, the
-    # piecewise graphs: it points inductor and triton there itself)
+    # triton's, sglang's own JIT kernels (sglang/kernels/jit/utils/compile.py builds them through
+    # apache-tvm-ffi into TVM_FFI_CACHE_DIR, default ~/.cache/tvm-ffi: on the H100 a deploy onto an
+    # empty jit_cache_dir started in 25 s with no JIT phase, its kernels found outside it), inductor's,
+    # and sglang's own torch_compile_cache (compilation/backend.py, the piecewise graphs: it points
+    # inductor and triton there itself)
     jit_caches=(("flashinfer", "FLASHINFER_WORKSPACE_BASE", "jit_s"), ("deep_gemm", "SGLANG_DG_CACHE_DIR", "jit_s"),
-                ("triton", "TRITON_CACHE_DIR", "jit_s"), ("torch_compile", "SGLANG_CACHE_DIR", "compile_s"),
+                ("triton", "TRITON_CACHE_DIR", "jit_s"), ("tvm_ffi", "TVM_FFI_CACHE_DIR", "jit_s"),
+                ("torch_compile", "SGLANG_CACHE_DIR", "compile_s"),
                 ("inductor", "TORCHINDUCTOR_CACHE_DIR", "compile_s")),
 )
