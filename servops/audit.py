@@ -230,7 +230,8 @@ class Round:
 
 
 def run_audit(hs: HostSession, launch: dict, patches: list[Patch], *, variant: str, files: dict[str, str],
-              round_no: int, compare: dict | None = None, timeout: int = 1800) -> dict:
+              round_no: int, compare: dict | None = None, timeout: int = 1800, packages: tuple[str, ...] = (),
+              reuse: bool = False) -> dict:
     device = str(hs.host.get("audit_device") or "cuda")
     tp = int(hs.host.get("tp") or 1)
     args = {"op": "audit", "launch": launch, "model_path": str(hs.host.get("model_path") or ""),
@@ -240,6 +241,8 @@ def run_audit(hs: HostSession, launch: dict, patches: list[Patch], *, variant: s
             "overhead_mib": int(hs.host.get("audit_overhead_mib") or 3072),
             "timeout_s": int(hs.host.get("audit_timeout") or 900), "compare": compare,
             "journal": f"{deploy_root(hs.host)}/journal.jsonl",
+            # every round's verdict is kept by what decides it (servops/remote/audit_verdicts.py)
+            "verdicts": f"{deploy_root(hs.host)}/audit-verdicts.json", "reuse": reuse, "packages": list(packages),
             "journal_entry": {"action": "audit", "who": operator(), "variant": variant, "round": round_no,
                               "patches": [p.name for p in patches]}}
     return run_program(hs, "audit_compile", args, timeout=timeout)
@@ -368,6 +371,8 @@ class Plan:
     launch: Launch
     fix_set: list[Patch]
     version: str | None
+    reuse: bool = False            # a round whose launch, set and installation were audited before
+                                   # takes that verdict (deploy's stage); the verb runs every round
 
 
 def synthesise_for(plan: Plan, brk: dict, patches: list[Patch], captured: list[int], audit_id: str,
@@ -412,12 +417,17 @@ def audit_and_fix(plan: Plan, *, fix: bool, rounds: int = DEFAULT_ROUNDS, tolera
     for number in range(1, rounds + 1):
         patches = plan.fix_set + added
         res = run_audit(plan.hs, launch, patches, variant=plan.variant, files=files, round_no=number,
+                        packages=packages, reuse=plan.reuse,
                         compare=dict(compare, lengths="captured") if unproven else None)
         rnd = Round(number, one_line(res.get("state", "?"), 40), patches=[p.name for p in patches],
                     elapsed_s=_seconds(res.get("elapsed_s")), captured=_sizes(res.get("captured")))
         outcome.rounds.append(rnd)
         if res.get("journal_problem"):
             say(f"round {number}: warning: {one_line(res['journal_problem'], 300)}")
+        if isinstance(res.get("kept"), dict):
+            say(f"round {number}: the same launch, fix set and installation were audited at "
+                f"{one_line(res['kept'].get('at'), 40)} ({_seconds(res['kept'].get('elapsed_s')):.0f} s): "
+                f"its verdict stands, no audit server started")
         if rnd.state == "not-audited":
             outcome.verdict, outcome.why = "not-audited", one_line(res.get("why"), 1500)
             rnd.detail = outcome.why

@@ -4,7 +4,9 @@ deploy: validate -> facts -> resolve -> render -> check -> AUDIT -> plan -> tran
 variant whose launch compiles (the engine says which flags of which release compile), before
 anything stops: the audit with the resolved fix set; a break a stored proven patch covers adds
 that patch; an uncovered break refuses the deploy (with --fix: the fix loop synthesises, proves
-and stores patches, and the deploy takes them). A host that cannot run the audit (no GPU, too
+and stores patches, and the deploy takes them). A round whose launch, fix set and installation the
+host audited before takes that verdict without starting a server (servops/remote/audit_verdicts.py);
+`invoke audit` runs every round afresh. A host that cannot run the audit (no GPU, too
 little free GPU memory, no model config) says "not audited" and what it would need, never
 "proven", and the deploy goes on as before.
 """
@@ -79,7 +81,7 @@ def deploy_stage(hs: HostSession, variant_name: str, resolved: dict, launch: Lau
         return []
     fix_set = [patchstore.find_patch(n) for n in wanted]
     plan = Plan(hs=hs, variant=variant_name, resolved=resolved, engine=engine, launch=launch, fix_set=fix_set,
-                version=version)
+                version=version, reuse=True)
     phases.step("audit", f"{hs.host.name}: the engine's compile and capture pass on a shrunk copy of the model, "
                          f"beside the serving server" + (" (fix loop on)" if fix else ""))
     outcome, out = run(plan, fix=fix, rounds=audit.DEFAULT_ROUNDS, tolerance=audit.DEFAULT_TOLERANCE, phases=phases)

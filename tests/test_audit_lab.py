@@ -104,6 +104,9 @@ def test_two_breaks_found_before_the_restart_fixed_by_synthesised_patches_and_de
     deployed = run_invoke("deploy", "--variant", "fp8pw-bare", inventory=inv, env=benv, timeout=900)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     assert "audit-per-token-group-quant-1.0.0" in deployed.stdout and healthy(port)
+    # every round of the deploy's audit had run in `audit --fix` with the same launch, set and
+    # installation: their verdicts stand, no audit server started (servops/remote/audit_verdicts.py)
+    assert "its verdict stands, no audit server started" in deployed.stdout, deployed.stdout
     log = (lab.tmp / "deploy-lab1" / "current" / "server.log").read_text()
     assert "Capturing num tokens (num_tokens=4" in log and "Capture piecewise cuda graph end." in log
     history = run_invoke("history", "--json", inventory=inv, env=benv)

@@ -24,7 +24,7 @@ _INCLUDES = {"diagnose_ctx": ["logscan", "tracebacks"],
                                    "launch_facts", "cache_ledger"],
              "patch_op": ["procs", "jsonl", "patch_core"],
              "deploy_ctl": ["procs", "jsonl", "patch_core", "startlog", "cache_ledger"],
-             "end_command": ["procs"], "audit_compile": ["procs", "jsonl", "model_shrink"],
+             "end_command": ["procs"], "audit_compile": ["procs", "jsonl", "model_shrink", "audit_verdicts"],
              # the call-site proof: children with deadlines (procs), the model's config.json read
              # bounded (jsonl.read_config_json)
              "preflight_dynamo": ["procs", "jsonl"],

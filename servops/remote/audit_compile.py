@@ -184,6 +184,67 @@ def work_dir(prefix):
     return work
 
 
+def gpu_models(deadline_s=20):
+    """The GPUs' model and compute capability, as nvidia-smi names them (part of a round's key)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                             timeout=deadline_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode("utf-8", "replace").strip()
+
+
+_ROUND_KEY = {}
+
+
+def round_key(launch, config, gpus):
+    """The key this round's verdict is kept under (None: none is kept: no verdicts file given);
+    computed once (it stats every file of the engine's packages)."""
+    if not ARGS.get("verdicts"):
+        return None
+    if "key" in _ROUND_KEY:
+        return _ROUND_KEY["key"]
+    inputs = {"launch": launch, "config": config, "patches": ARGS.get("patches") or [], "shim": ARGS.get("shim"),
+              "files": ARGS.get("server_files") or {}, "device": ARGS.get("device", "cuda"),
+              "gpus_needed": ARGS.get("gpus_needed"),
+              "gpus": gpu_models() if gpus else None, "total_mib": [g["total_mib"] for g in gpus or []]}
+    _ROUND_KEY["key"] = verdict_key(inputs, site_dirs(), ARGS.get("packages") or [])
+    return _ROUND_KEY["key"]
+
+
+def reply_kept(started, launch, config, gpus):
+    """Reply with the kept verdict of this round's launch, where reuse is asked and one is kept
+    (a proof round always runs: it needs the server's logprobs). True: replied."""
+    if not ARGS.get("reuse") or ARGS.get("compare"):
+        return False
+    key = round_key(launch, config, gpus)
+    kept = lookup(ARGS["verdicts"], key) if key else None
+    if not kept:
+        return False
+    result = {"state": kept["state"], "exit_code": None, "gpus": gpus, "captured": kept["captured"],
+              "breaks": kept["breaks"], "log_tail": [], "kept": {"at": kept.get("at"), "elapsed_s": kept.get("elapsed_s")},
+              "elapsed_s": round(time.monotonic() - started, 2)}
+    journal_round(result, " (as the audit of the same launch at %s found: not run again)" % kept.get("at"))
+    reply(result)
+    return True
+
+
+def journal_round(result, note=""):
+    """The round's entry in the host's journal (a problem writing it is said in the reply)."""
+    if not ARGS.get("journal"):
+        return
+    breaks = result["breaks"]
+    try:
+        append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=result["state"], detail=(
+            "%d break(s): %s" % (len(breaks), str(breaks[0].get("message") or "").strip().split("\n")[0][:200])
+            if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"])) + note))
+    except (OSError, ValueError, FileProblem) as exc:  # the audit's answer is not lost to its journal
+        result["journal_problem"] = "journal %s not written: %s" % (ARGS["journal"], exc)
+
+
 def run_audit():
     started = time.monotonic()
     launch = ARGS["launch"]
@@ -201,8 +262,10 @@ def run_audit():
                    "capture runs on %d GPU(s) with %.0f%% of each one's memory plus ~%d MiB" % (
                        wanted, fraction * 100, overhead)})
             return
-        shrunk, kept = shrink_config(config)
-        weights = shrunk_weight_bytes(ARGS["model_path"], kept["kept"]) if shrunk else None
+        if reply_kept(started, launch, config, gpus):
+            return  # the same launch's verdict, kept: no server to start, whatever memory is free now
+        shrunk, shrink_info = shrink_config(config)
+        weights = shrunk_weight_bytes(ARGS["model_path"], shrink_info["kept"]) if shrunk else None
         sized = audit_memory(gpus[:wanted], fraction, overhead, launch.get("mem_of") or "total",
                              None if weights is None else weights / wanted / (1 << 20))
         if sized["short"] or len(gpus) < wanted:
@@ -215,6 +278,9 @@ def run_audit():
                        "the host has %d" % len(gpus))})
             return
         mem = sized["value"]
+    elif reply_kept(started, launch, config, gpus):
+        return
+    key = round_key(launch, config, gpus)
     work = work_dir("servops-audit-")
     proc = None
     try:
@@ -285,14 +351,12 @@ def run_audit():
         result["breaks"] = read_breaks(work)
         result["log_tail"] = log_tail(log_path)
         result["elapsed_s"] = round(time.monotonic() - started, 2)
-        if ARGS.get("journal"):
-            breaks = result["breaks"]
+        if key and keepable(result):
             try:
-                append_journal(ARGS["journal"], dict(ARGS.get("journal_entry") or {}, outcome=state, detail=(
-                    "%d break(s): %s" % (len(breaks), str(breaks[0].get("message") or "").strip().split("\n")[0][:200])
-                    if breaks else "%d prefill size(s) compiled and captured" % len(result["captured"]))))
-            except (OSError, ValueError, FileProblem) as exc:  # the audit's answer is not lost to its journal
-                result["journal_problem"] = "journal %s not written: %s" % (ARGS["journal"], exc)
+                record(ARGS["verdicts"], key, result, replace_with)
+            except OSError as exc:  # the audit's answer is not lost to its cache
+                result["journal_problem"] = "audit verdicts %s not written: %s" % (ARGS["verdicts"], exc)
+        journal_round(result)
         reply(result)
     finally:
         if proc is not None and proc.poll() is None:
