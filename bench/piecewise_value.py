@@ -113,9 +113,11 @@ def campaign_table(results: Path, host: str, name: str) -> list[str]:
                  None) or {}
     cfg = first.get("config") or {}
     out = [f"### {name} on {host}", "",
-           f"{', '.join(f'{k} {v}' for k, v in sorted(facts.items())) or 'facts not recorded'}; prompts "
-           f"{cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens. Random weights: the "
-           f"kernels run at the real shape's speed, the text is noise and every request runs to max_tokens.", "",
+           f"{', '.join(f'{k} {v}' for k, v in sorted(facts.items())) or 'facts not recorded'}; "
+           + (f"prompts {cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens" if cfg
+              else "no bench of this campaign finished")
+           + ". Random weights: the kernels run at the real shape's speed, the text is noise and every request runs "
+             "to max_tokens.", "",
            "| variant | concurrency | " + " | ".join(n for _k, n, _d in METRICS) + " | TTFT vs base | runs |",
            "| --- | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |"]
     base = data.get(ran[0]["trial"]) or {}
