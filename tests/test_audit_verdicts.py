@@ -87,6 +87,10 @@ def test_the_same_launch_is_not_audited_twice_and_a_change_to_what_decides_it_is
     (host.lib / "vpkg" / "__init__.py").write_text("X = 2\n")  # a hand edit of the engine's code
     assert "kept" not in host.audit(reuse=True) and host.started() == 5
     assert host.audit(reuse=True)["kept"] and host.started() == 5
+    # bytecode the engine's first import writes is not an input
+    (host.lib / "vpkg" / "__pycache__").mkdir()
+    (host.lib / "vpkg" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"x")
+    assert host.audit(reuse=True)["kept"] and host.started() == 5
 
 
 def test_the_key_follows_every_input_and_the_installation(tmp_path):

@@ -4,7 +4,7 @@
 # the launch (module, argv with the audit's placeholders, env), the fix set's texts, the shim and the
 # files served beside the launch, the model's config, the GPUs' model, the python, every installed
 # distribution (name, its RECORD's size and mtime: a reinstall changes them) and every file of the
-# engine's own packages (size and mtime: a hand edit changes them). Only an outcome that follows from
+# engine's own packages but its bytecode (size and mtime: a hand edit changes them). Only an outcome that follows from
 # those is kept: healthy (every size captured) or a dynamo break; never a crash, a timeout or a flood.
 # Standard library only: a library of audit_compile.py, importable as servops.remote.audit_verdicts.
 import hashlib
@@ -52,8 +52,9 @@ def installed_fingerprint(h, sites, packages):
                 _feed(h, [package, root, st.st_size, st.st_mtime_ns])
                 continue
             for dirpath, dirnames, filenames in os.walk(root):
-                dirnames.sort()
-                for f in sorted(filenames):
+                # bytecode is written by whoever imports first (the audit server itself): not an input
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                for f in sorted(n for n in filenames if not n.endswith((".pyc", ".pyo"))):
                     seen += 1
                     if seen > MAX_PACKAGE_FILES:
                         _feed(h, [package, "more files", time.time()])  # too many to vouch for: no reuse
