@@ -242,9 +242,9 @@ def sglang_kv_bytes(free_before: float, weights: float, fraction: float) -> floa
 
 
 def test_beside_a_serving_server_the_audits_share_is_sized_for_its_weights():
-    # the H100 of 2026-12-07: a serving 8B server held ~37 GiB (nvidia-smi: 38,474 MiB in all) when the deploy's audit started; with
-    # --mem-fraction-static 0.05 of what was free, the shrunk model's 2.3 GB of weights left the KV
-    # pool nothing and the audit server died at start
+    # the H100 of 2026-12-07: a serving 8B server held ~37 GiB (nvidia-smi: 38,474 MiB in all) when
+    # the deploy's audit started; with --mem-fraction-static 0.05 of what was free, the shrunk model's
+    # 2.3 GB of weights left the KV pool nothing and the audit server died at start
     gpu = {"index": 0, "total_mib": 81559, "free_mib": 81559 - 36700}
     weights_mib = 2.3e9 / 2 ** 20
     assert sglang_kv_bytes(gpu["free_mib"] - 1024, weights_mib, 0.05) < 0
