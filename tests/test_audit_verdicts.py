@@ -56,8 +56,9 @@ class Host:
         if crash:
             env["CRASH"] = "1"
         args = {"op": "audit", "model_path": str(self.tmp / "model"), "device": "cpu", "patches": [],
-                "shim": "", "server_files": files or {}, "timeout_s": 60, "verdicts": str(self.verdicts), "reuse": reuse,
-                "packages": ["vpkg"], "launch": {"module": "vengine", "argv": list(argv), "env": env, "health": "/health"}}
+                "shim": "", "server_files": files or {}, "timeout_s": 60, "verdicts": str(self.verdicts),
+                "reuse": reuse, "packages": ["vpkg"],
+                "launch": {"module": "vengine", "argv": list(argv), "env": env, "health": "/health"}}
         res = subprocess.run([sys.executable, "-"], input=remote.with_args("audit_compile", args), text=True,
                              capture_output=True, timeout=120,
                              env=dict(os.environ, TMPDIR=str(self.tmp / "scratch"), PYTHONPATH=str(self.lib)))

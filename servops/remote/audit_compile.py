@@ -225,8 +225,8 @@ def reply_kept(started, launch, config, gpus):
     if not kept:
         return False
     result = {"state": kept["state"], "exit_code": None, "gpus": gpus, "captured": kept["captured"],
-              "breaks": kept["breaks"], "log_tail": [], "kept": {"at": kept.get("at"), "elapsed_s": kept.get("elapsed_s")},
-              "elapsed_s": round(time.monotonic() - started, 2)}
+              "breaks": kept["breaks"], "log_tail": [], "elapsed_s": round(time.monotonic() - started, 2),
+              "kept": {"at": kept.get("at"), "elapsed_s": kept.get("elapsed_s")}}
     journal_round(result, " (as the audit of the same launch at %s found: not run again)" % kept.get("at"))
     reply(result)
     return True
