@@ -52,20 +52,22 @@ def patched_copies(patches, work):
 # ---- the GPUs' free memory --------------------------------------------------------------------
 
 def gpu_memory(deadline_s=20):
-    """[{index, total_mib, free_mib}] from nvidia-smi; None where it is absent or gives no answer."""
+    """[{index, total_mib, free_mib, model}] from nvidia-smi; None where it is absent or gives no
+    answer. The model (its name, the last column: a name may hold a comma) is part of a round's key."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=index,memory.total,memory.free", "--format=csv,noheader,nounits"],
+        out = subprocess.run([smi, "--query-gpu=index,memory.total,memory.free,name", "--format=csv,noheader,nounits"],
                              capture_output=True, timeout=deadline_s)
     except (OSError, subprocess.SubprocessError):
         return None
     gpus = []
     for line in out.stdout.decode("utf-8", "replace").splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
-            gpus.append({"index": int(parts[0]), "total_mib": int(parts[1]), "free_mib": int(parts[2])})
+        if len(parts) >= 3 and all(p.isdigit() for p in parts[:3]):
+            gpus.append({"index": int(parts[0]), "total_mib": int(parts[1]), "free_mib": int(parts[2]),
+                         "model": ", ".join(parts[3:]) or None})
     return gpus or None
 
 
@@ -184,44 +186,23 @@ def work_dir(prefix):
     return work
 
 
-def gpu_models(deadline_s=20):
-    """The GPUs' model and compute capability, as nvidia-smi names them (part of a round's key)."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
-                             timeout=deadline_s)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.decode("utf-8", "replace").strip()
-
-
-_ROUND_KEY = {}
-
-
 def round_key(launch, config, gpus):
-    """The key this round's verdict is kept under (None: none is kept: no verdicts file given);
-    computed once (it stats every file of the engine's packages)."""
+    """The key this round's verdict is kept under (None: none is kept: no verdicts file given)."""
     if not ARGS.get("verdicts"):
         return None
-    if "key" in _ROUND_KEY:
-        return _ROUND_KEY["key"]
     inputs = {"launch": launch, "config": config, "patches": ARGS.get("patches") or [], "shim": ARGS.get("shim"),
               "files": ARGS.get("server_files") or {}, "device": ARGS.get("device", "cuda"),
               "gpus_needed": ARGS.get("gpus_needed"),
-              "gpus": gpu_models() if gpus else None, "total_mib": [g["total_mib"] for g in gpus or []]}
-    _ROUND_KEY["key"] = verdict_key(inputs, site_dirs(), ARGS.get("packages") or [])
-    return _ROUND_KEY["key"]
+              "gpus": [(g["model"], g["total_mib"]) for g in gpus or []]}
+    return verdict_key(inputs, site_dirs(), ARGS.get("packages") or [])
 
 
-def reply_kept(started, launch, config, gpus):
-    """Reply with the kept verdict of this round's launch, where reuse is asked and one is kept
-    (a proof round always runs: it needs the server's logprobs). True: replied."""
-    if not ARGS.get("reuse") or ARGS.get("compare"):
+def reply_kept(started, key, gpus):
+    """Reply with the kept verdict of this round's key, where reuse is asked and one is kept (a
+    proof round always runs: it needs the server's logprobs). True: replied."""
+    if not key or not ARGS.get("reuse") or ARGS.get("compare"):
         return False
-    key = round_key(launch, config, gpus)
-    kept = lookup(ARGS["verdicts"], key) if key else None
+    kept = lookup(ARGS["verdicts"], key)
     if not kept:
         return False
     result = {"state": kept["state"], "exit_code": None, "gpus": gpus, "captured": kept["captured"],
@@ -253,17 +234,19 @@ def run_audit():
         reply({"state": "not-audited", "why": why})
         return
     gpus, mem = None, "%g" % float(ARGS.get("mem_fraction") or 0.05)
+    wanted = int(ARGS.get("gpus_needed") or 1)
+    fraction, overhead = float(ARGS.get("mem_fraction") or 0.05), int(ARGS.get("overhead_mib") or 3072)
     if ARGS.get("device", "cuda") == "cuda":
-        wanted = int(ARGS.get("gpus_needed") or 1)
-        fraction, overhead = float(ARGS.get("mem_fraction") or 0.05), int(ARGS.get("overhead_mib") or 3072)
         gpus = gpu_memory()
         if not gpus:
             reply({"state": "not-audited", "why": "no GPU on this host (nvidia-smi absent or silent): the engine's "
                    "capture runs on %d GPU(s) with %.0f%% of each one's memory plus ~%d MiB" % (
                        wanted, fraction * 100, overhead)})
             return
-        if reply_kept(started, launch, config, gpus):
-            return  # the same launch's verdict, kept: no server to start, whatever memory is free now
+    key = round_key(launch, config, gpus)
+    if reply_kept(started, key, gpus):
+        return  # the same launch's verdict, kept: no server to start, whatever memory is free now
+    if gpus:
         shrunk, shrink_info = shrink_config(config)
         weights = shrunk_weight_bytes(ARGS["model_path"], shrink_info["kept"]) if shrunk else None
         sized = audit_memory(gpus[:wanted], fraction, overhead, launch.get("mem_of") or "total",
@@ -278,9 +261,6 @@ def run_audit():
                        "the host has %d" % len(gpus))})
             return
         mem = sized["value"]
-    elif reply_kept(started, launch, config, gpus):
-        return
-    key = round_key(launch, config, gpus)
     work = work_dir("servops-audit-")
     proc = None
     try:

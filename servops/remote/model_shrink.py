@@ -6,6 +6,8 @@
 import json
 import math
 import os
+import re
+import struct
 
 MAX_CONFIG_BYTES = 4 << 20        # a model's config.json: a real one is a few kB
 MAX_LAYERS = 4096                 # the deepest real models have a few hundred; past this a count is a lie
@@ -180,19 +182,13 @@ def shrunk_model(model_path, config, work):
     return out, info
 
 
-
-
 # ---- how much the shrunk model's weights take ------------------------------------------------------
 
-_LAYER_INDEX = None
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 def _layer_of(name):
     """The decoder layer a tensor belongs to (None: embeddings, norms, the head, a vision tower)."""
-    global _LAYER_INDEX
-    if _LAYER_INDEX is None:
-        import re
-        _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
     if "vision" in name or "visual" in name:
         return None
     m = _LAYER_INDEX.search(name)
@@ -201,7 +197,6 @@ def _layer_of(name):
 
 def _safetensors_header(path):
     """{tensor: entry} of one safetensors file, bounded; None where it is not one."""
-    import struct
     try:
         with open(path, "rb") as f:
             head = f.read(8)
