@@ -7,10 +7,10 @@ With `jit_cache_dir` in the inventory, every launch of that host sets the engine
 variables (its room's `jit_caches`: FlashInfer's FLASHINFER_WORKSPACE_BASE, DeepGEMM's
 SGLANG_DG_CACHE_DIR / DG_JIT_CACHE_DIR, TRITON_CACHE_DIR, sglang's TVM_FFI_CACHE_DIR,
 TORCHINDUCTOR_CACHE_DIR, sglang's SGLANG_CACHE_DIR and vLLM's VLLM_CACHE_ROOT, whose
-torch_compile_cache holds their compiled graphs) to one directory each under it, shared by every release on the host: the engines key
-their entries themselves (FlashInfer by its version and the GPU's arch, inductor and DeepGEMM by
-a hash of what they compile, vLLM by its config's hash), so releases that can share a kernel
-share it and the others add their own beside it.
+torch_compile_cache holds their compiled graphs) to one directory each under it, shared by every
+release on the host: the engines key their entries themselves (FlashInfer by its version and the
+GPU's arch, inductor and DeepGEMM by a hash of what they compile, vLLM by its config's hash), so
+releases that can share a kernel share it and the others add their own beside it.
 
 Which launches built what is servops' ledger: one key per kind of phase, the digest of what
 decides its kernels: the installed versions (torch, triton, FlashInfer, the engine and its
