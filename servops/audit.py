@@ -196,7 +196,11 @@ def audit_argv(engine: engines.Engine, launch: Launch, overrides: dict) -> list[
     """The release's launch argv with the audit's overrides (model, port, host, dummy load, memory)
     replacing the variant's own values of those flags."""
     drop = {flag_name(k) for k in overrides}
-    args = {k: v for k, v in launch.args.items() if flag_name(k) not in drop}
+    # A flag carrying a secret (--api-key) is left out: the audit server is a local child nobody
+    # else calls, and a value on its command line is readable by every user of the host (ps).
+    secrets = set(launch.secret_env.values())
+    args = {k: v for k, v in launch.args.items()
+            if flag_name(k) not in drop and not (isinstance(v, (str, int, float)) and str(v) in secrets)}
     args.update(overrides)
     return server_argv(args)
 

@@ -317,3 +317,22 @@ def test_the_logprob_proof_names_every_size_that_differs():
     assert not off["ok"] and [r["size"] for r in off["sizes"] if not r["ok"]] == [64]
     missing = audit.compare_logprobs(same, {"4": [None, -1.0, -2.0], "64": {"error": "HTTPError: 400"}}, 0.02)
     assert not missing["ok"] and "HTTPError" in missing["sizes"][1]["why"]
+
+
+def test_a_secret_flag_stays_off_the_audit_servers_command_line():
+    """The audit server's argv is readable by every user of the host (ps): a flag whose value is one
+    of the launch's secrets is left out, the variant's other flags kept, the audit's overrides won."""
+    from servops.inventory import parse_inventory
+    from servops.playbooks import load_variant
+    from servops.render import render_launch
+    host = parse_inventory("all: {hosts: {h1: {venv: /opt/v, server_port: 30000, model_path: /models/m, tp: 8}}}",
+                           "inv.yml").hosts["h1"]
+    variant = load_variant("piecewise-fp8")
+    variant["server_args"] = dict(variant["server_args"], **{"api-key": "sk-live-0123456789"})
+    launch = render_launch(host, variant)
+    assert "sk-live-0123456789" not in launch.script            # as deploy writes it: "$SERVOPS_ARG_API_KEY"
+    engine = engines.of_variant(variant)
+    argv = audit.audit_argv(engine, launch, engine.audit_args("/tmp/shrunk", "31999", "0.1"))
+    assert "sk-live-0123456789" not in argv and "--api-key" not in argv
+    assert argv[argv.index("--model-path") + 1] == "/tmp/shrunk" and "--load-format" in argv
+    assert "--cuda-graph-backend-prefill" in argv or "--enable-piecewise-cuda-graph" in argv
