@@ -18,7 +18,8 @@
 #   long      fresh starts until the intervals are known; `long`: 2048-token prompts
 #   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
 # QUICK=1 runs the campaigns lean, for a 30-minute GPU session: each level sends max(2 x level, 16)
-# requests of 64 output tokens, twice on one start (the interval), no fresh-start repeats.
+# requests of 64 output tokens, twice on one start (the interval), no fresh-start repeats; the long
+# campaign only no graphs against piecewise, at 1, 8 and 32.
 # Output in $OUT (default /tmp/out): servops-8b.log (every command, rc, seconds), piecewise-8b.md, results-8b.tgz.
 set -uo pipefail
 export PATH=/tmp/sshroot/bin:/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,6 +48,9 @@ if [ "${QUICK:-0}" = 1 ]; then  # shorter copies of the two campaigns, under the
     sed -e 's/requests: 256/requests: 0/' -e 's/output_len: 128/output_len: 64/' -e 's/max_repeats: 4/max_repeats: 1/' \
         "campaigns/$c.yml" > "$O/campaigns/$c.yml"
   done
+  # at long prompts only what decides the question: no graphs against piecewise, levels 1-32
+  sed -i -e '/variant: llama8b-cg$/d' -e '/variant: llama8b-breakable$/d' -e 's/levels: \[1, 8, 32, 128\]/levels: [1, 8, 32]/' \
+      "$O/campaigns/piecewise-8b-long.yml"
   export SERVOPS_CAMPAIGNS="$O/campaigns"
 fi
 for step in "$@"; do case $step in
