@@ -207,6 +207,8 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         for line in plans[-1][0].caches.lines() if plans[-1][0].caches else []:
             phases.step("caches", f"{hs.host.name}: {line}")
     wanted = [] if skip_patches else list(prepared[0][1].get("patches") or [])  # the set rank 0 resolved
+    if record is not None:  # as deployed: the variant's set and what the audit stage added to it
+        record["patches"] = list(wanted)
     same = [] if force or gate else [p.unchanged for p, _facts in plans]
     if same and all(same):
         phases.step("done", f"{same[0]} already runs this launch and patch set, healthy: nothing restarted "

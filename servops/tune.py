@@ -811,7 +811,8 @@ class Runner:
         if record.get("state") == "healthy":
             record["start"] = self._start_times(record)
         self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
-                                reason=record.get("reason"), deploy_s=round(deploy_s, 2), start=record.get("start")))
+                                reason=record.get("reason"), deploy_s=round(deploy_s, 2), start=record.get("start"),
+                                patches=record.get("patches")))
         # a crash's reason is its diagnosis, on the next line; other failures say theirs here
         self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s ({record.get('release') or 'no release'})"
                    + (f"; {startup.text(record['start'])}" if record.get("start") else "")
@@ -940,6 +941,8 @@ class Runner:
         done = dict(base, phase="done", release=record.get("release"), deploy_s=round(deploy_s, 2))
         if record.get("start"):
             done["start"] = record["start"]
+        if record.get("patches") is not None:  # the set deployed: the audit stage may have added to the variant's
+            done["patches"] = record["patches"]
         if record.get("state") == "healthy":
             pruned = None
             if prune:
@@ -1005,7 +1008,7 @@ class Runner:
         rel = st.get("release") or {}
         if st.get("current") == deployed.get("release") and st.get("healthy") and rel.get("status") in ("healthy", "unconfirmed"):
             return {"release": deployed["release"], "state": "healthy", "deploy_s": deployed.get("deploy_s"),
-                    "start": deployed.get("start")}
+                    "start": deployed.get("start"), "patches": deployed.get("patches")}
         return None
 
     # -- results -----------------------------------------------------------------------------------

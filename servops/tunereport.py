@@ -98,7 +98,12 @@ def collect(host: str, camp: Campaign) -> dict:
                          "verdict": "interrupted", "violations": [], "findings": []})
             continue
         spec = start.get("spec") or (start_of.get(d.get("same_as")) or {}).get("spec") or {}
-        added = [p for p in spec.get("patches") or [] if p not in (base_spec.get("patches") or [])]
+        # the set as deployed where the log has it: the deploy's audit stage may have added to the variant's
+        asked = spec.get("patches") or []
+        deployed = [str(p) for p in d["patches"]] if isinstance(d.get("patches"), list) else asked
+        base_set = (base_done or {}).get("patches") if isinstance((base_done or {}).get("patches"), list) \
+            else base_spec.get("patches") or []
+        added = [p if p in asked else f"{p} (the audit's)" for p in deployed if p not in base_set]
         value = d.get("objective")
         row = {"trial": tid, "label": d.get("label", tid), "outcome": d.get("outcome"),
                "objective": value, "objective_ci": d.get("objective_ci"), "metrics": d.get("metrics") or {},
@@ -109,7 +114,7 @@ def collect(host: str, camp: Campaign) -> dict:
                "result_path": d.get("result_path"), "script": start.get("script"),
                "flags": ["(base)"] if tid == "base" else flags_diff(base_spec, spec),
                "added_patches": [] if tid == "base" else added,
-               "patches": ", ".join(spec.get("patches") or []) or "-", "retry_of": spec.get("retry_of"),
+               "patches": ", ".join(deployed) or "-", "retry_of": spec.get("retry_of"),
                "start": d.get("start") or {}, "warm_from": d.get("warm_from")}
         if camp.sequential and tid in all_runs:  # the interval of all its runs, on the campaign's final noise
             m, lo, hi = verdict.interval(all_runs[tid], noise, camp.confidence)

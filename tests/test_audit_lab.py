@@ -119,6 +119,24 @@ def test_two_breaks_found_before_the_restart_fixed_by_synthesised_patches_and_de
     verify = run_invoke("inspect", "--verify", "servops-lab-kernels", inventory=inv, env=benv)
     assert "gemm.py" not in verify.stdout and "quantization/__init__.py" not in verify.stdout, verify.stdout
 
+    # a campaign's trial of the variant: its report shows the set as deployed, the audit's patches
+    # with the variant's own (on the H100 the table showed the variant's two and hid the third)
+    camps = tmp_path / "camps"
+    camps.mkdir()
+    (camps / "pwcamp.yml").write_text("base: baseline\ncandidates: [{variant: fp8pw-bare}]\n"
+                                      "bench: {levels: [1], requests: 4, input_len: 16, output_len: 8}\n"
+                                      "objective: {maximize: output_tps@1}\nleave: base\n")
+    tuned = run_invoke("tune", "pwcamp", inventory=inv, env=dict(benv, SERVOPS_CAMPAIGNS=str(camps)), timeout=900)
+    assert tuned.returncode == 0, tuned.stdout + tuned.stderr
+    table = tuned.stdout[tuned.stdout.index("campaign pwcamp"):]
+    for name in written:
+        assert f"+ patch {name} (the audit's)" in table, table
+    assert "+ patch cuda-version-no-subprocess" in table and "cuda-version-no-subprocess (the audit's)" not in table
+    trials = [json.loads(l) for l in (tmp_path / "results" / "lab1" / "campaigns" / "pwcamp" / "trials.jsonl")
+              .read_text().splitlines()]
+    done = next(e for e in trials if e.get("phase") == "done" and e.get("trial") == "fp8pw-bare")
+    assert done["patches"][0] == "cuda-version-no-subprocess" and sorted(done["patches"][1:]) == written, done
+
 
 def test_the_hand_written_gemm_patch_leaves_one_break_and_a_host_without_the_model_is_not_audited(
         lab, sglang_release, tmp_path):
