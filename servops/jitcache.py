@@ -124,7 +124,8 @@ class CachePlan:
 
     def record_spec(self) -> dict:
         """What the health gate and the warm-up record on the host after a healthy start."""
-        return {"dir": self.dir, "keys": {k.kind: k.key for k in self.kinds}}
+        return {"dir": self.dir, "keys": {k.kind: k.key for k in self.kinds},
+                "jit_dirs": [name for k in self.kinds if k.kind == "jit_s" for name in k.caches]}
 
     def expected_rebuild_s(self) -> float | None:
         times = [k.expected_s for k in self.rebuild]

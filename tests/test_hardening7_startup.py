@@ -217,3 +217,56 @@ def test_phases_summed_past_the_whole_start_are_left_out():
     lines.append("[2026-12-07 10:01:10] Load weight end. elapsed=5 s")
     phases = start_phases(lines, total=70.0)
     assert "jit_s" not in phases and phases["weights_s"] == 5.0 and phases["other_s"] == 65.0
+
+
+def test_jit_builds_are_read_from_the_files_a_start_wrote_grouped_by_their_directory(tmp_path):
+    """The health gate's reading of the JIT caches on a local directory, as the host code runs it:
+    a build lasts from its directory's first new file to its last; files from before the start,
+    caches of another kind and a symlink out of the cache are not counted."""
+    now = time.time()
+    def put(rel: str, age: float) -> None:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+        os.utime(path, (now - age, now - age))
+    put("tvm_ffi/sgl_kernel_jit_a/build.ninja", 100)     # a build: 100 s to 40 s ago
+    put("tvm_ffi/sgl_kernel_jit_a/main.o", 70)
+    put("tvm_ffi/sgl_kernel_jit_a/sgl_kernel_jit_a.so", 40)
+    put("triton/ABC/kernel.cubin", 30)                    # a kernel written in one go: counts ~0
+    put("triton/ABC/kernel.json", 30)
+    put("triton/OLD/kernel.cubin", 5000)                  # built by an earlier start
+    put("inductor/fx/graph", 20)                          # compile, not JIT
+    outside = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    outside.mkdir()
+    (outside / "big.so").write_text("x")
+    (tmp_path / "triton" / "link").symlink_to(outside)
+    spec = {"dir": str(tmp_path), "jit_dirs": ["tvm_ffi", "triton", "missing"]}
+    res = host_code(f"print(json.dumps(jit_builds_since({spec!r}, {now - 200})))\n"
+                    f"s = {{'other_s': 50.0, 'weights_s': 3.0}}\nnote_jit_builds({spec!r}, s, 200)\nprint(json.dumps(s))\n"
+                    f"t = {{'jit_s': 4.0, 'other_s': 50.0}}\nnote_jit_builds({spec!r}, t, 200)\nprint(json.dumps(t))")
+    assert res.returncode == 0, res.stderr
+    found, capped, logged = map(json.loads, res.stdout.splitlines())
+    assert found[0] == 2 and abs(found[1] - 60.0) < 0.5, found
+    assert capped == {"other_s": 50.0, "weights_s": 3.0, "jit_builds": 2, "jit_files_s": 50.0}  # within the rest
+    assert logged == {"jit_s": 4.0, "other_s": 50.0}      # the log timed it: its figure stands
+    assert startup.text(startup.clean(dict(capped, start_s=53.0))).endswith(
+        "(weights 3.0s, other 50.0s; not in the log: JIT, compile, capture; the JIT caches show 2 builds, "
+        "~50.0s by their files, within other)")
+
+
+def test_a_cache_too_big_to_read_in_time_gives_no_figure_rather_than_a_wrong_one(tmp_path):
+    for i in range(40):
+        (tmp_path / "triton" / f"k{i}").mkdir(parents=True)
+        (tmp_path / "triton" / f"k{i}" / "kernel.cubin").write_text("x")
+    res = host_code("BUILD_SCAN_ENTRIES = 30\n"
+                    f"print(json.dumps(jit_builds_since({{'dir': {str(tmp_path)!r}, 'jit_dirs': ['triton']}}, 0)))")
+    assert res.returncode == 0 and json.loads(res.stdout) is None, res.stdout + res.stderr
+
+
+def test_a_phase_that_grew_counts_the_jit_the_caches_showed_where_the_log_showed_none():
+    before = {"start_s": 30.0, "weights_s": 2.0, "other_s": 28.0, "jit_builds": 0.0, "jit_files_s": 0.0}
+    cold = {"start_s": 235.0, "weights_s": 2.0, "other_s": 233.0, "jit_builds": 9.0, "jit_files_s": 205.0}
+    # the builds lie within other: named once, as JIT (the rest, 28 s, is as before)
+    assert startup.grown(cold, before) == ["JIT 0.0s -> 205.0s (+205.0s; noise 1.0s)"]
+    slow = dict(cold, other_s=253.0)
+    assert startup.grown(slow, before)[1] == "other 28.0s -> 48.0s (+20.0s; noise 2.8s)"

@@ -118,7 +118,7 @@ def test_the_plan_reuses_what_the_ledger_holds_and_times_the_rest_from_history()
         "latest start spent 0.4s there",
         "caches in /c: torch.compile (torch_compile, inductor): rebuild, expected ~50s (the median of this host's 2 "
         "earlier builds)"]
-    assert plan.record_spec() == {"dir": "/c", "keys": k}
+    assert plan.record_spec() == {"dir": "/c", "keys": k, "jit_dirs": ["flashinfer", "deep_gemm", "triton", "tvm_ffi"]}
     host = Host("h", {"server_port": 30000})
     assert jitcache.warmup_wanted(plan, host) == "torch.compile to build"
     assert jitcache.warmup_wanted(plan, Host("h", {"jit_warmup": False})) is None

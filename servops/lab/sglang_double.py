@@ -36,6 +36,9 @@ Start-up and crashes, as the server args make them:
                                    --fp8-gemm-backend flashinfer_deepgemm DeepGEMM's GEMM under
                                    SGLANG_DG_CACHE_DIR; defaults ~ as the real ones), logged as
                                    FlashInfer and sglang log them, then written there; default 0
+  SGLANG_DOUBLE_SILENT_JIT=1       those builds print nothing, as sglang 0.5.17's own (tvm-ffi) and
+                                   FlashInfer 0.6.15's do: only their files tell (a build.ninja
+                                   written when a build starts, its .so when it ends)
   SGLANG_DOUBLE_COMPILE_TIME       seconds piecewise's torch.compile takes with an empty compile
                                    cache (sglang's SGLANG_CACHE_DIR/torch_compile_cache), a tenth
                                    of it once the cache holds the graph, logged as sglang 0.5.17's
@@ -721,11 +724,17 @@ def jit_builds(args) -> None:
         dg_dir = os.path.join(os.environ.get("SGLANG_DG_CACHE_DIR", os.path.join(home, ".cache", "deep_gemm")),
                               "cache", f"kernel.gemm_nt_f8f8bf16.{tag}")
         modules.append((dg_dir, tag, "deep_gemm"))
+    silent = os.environ.get("SGLANG_DOUBLE_SILENT_JIT") == "1"
     for path, name, kind in modules:
         so = os.path.join(path, f"{name}.so")
         if os.path.isfile(so):
             continue
-        if kind == "flashinfer":
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "build.ninja"), "w") as fh:  # as ninja's build directory starts
+            fh.write(f"# double build of {name}\n")
+        if silent:
+            pass
+        elif kind == "flashinfer":
             now = time.time()
             print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now % 1 * 1000):03d} - INFO - "
                   f"core.py:594 - flashinfer.jit: Building JIT module {name}; this can take several minutes on "
@@ -734,7 +743,6 @@ def jit_builds(args) -> None:
             log(f"Try DeepGEMM JIT Compiling for <GEMM_NT_F8F8BF16> N=4096, K=4096, num_groups=1 with all Ms. It only "
                 f"takes a little time (typically 1 sec) if you have run `python3 -m sglang.compile_deep_gemm`. ")
         time.sleep(per_module)
-        os.makedirs(path, exist_ok=True)
         with open(so, "wb") as fh:
             fh.write(b"double kernel " + name.encode())
 

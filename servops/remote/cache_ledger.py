@@ -4,9 +4,10 @@
 # gate and the warm-up record what a healthy start built).
 #
 # The ledger, <jit_cache_dir>/servops-ledger.json (0600): {"kinds": {"jit_s" | "compile_s":
-# {key: {"release", "at", "seconds" (that phase in the start that built it; absent where its log
-# did not show it), "starts", "warm_s" (the phase in its latest later start)}}}}. A key is
-# servops.jitcache's digest of what decides the kernels (versions, model, kernel flags).
+# {key: {"release", "at", "seconds" (that phase in the start that built it; for JIT where its log
+# did not show it, the seconds its new cache files show; else absent), "starts", "warm_s" (the
+# phase in its latest later start)}}}}. A key is servops.jitcache's digest of what decides the
+# kernels (versions, model, kernel flags).
 import importlib.metadata as _metadata
 import time as _time
 
@@ -107,6 +108,58 @@ def cache_facts(spec):
             "unsafe": unsafe_cache_dir(root)}
 
 
+# A scan of the JIT caches after a start is bounded: a cache of a million Triton kernels is not walked whole
+BUILD_SCAN_ENTRIES = 50000
+BUILD_SCAN_S = 3.0
+
+
+def jit_builds_since(spec, since):
+    """The JIT builds a start left in its caches (spec["dir"] / each of spec["jit_dirs"]), for an
+    engine whose log times none (sglang 0.5.17's tvm-ffi and FlashInfer builds print nothing): the
+    files written since `since` (epoch seconds), grouped by the directory holding them (a ninja
+    build directory, a Triton or DeepGEMM kernel's); a build takes from its first new file to its
+    last, so a kernel written in one go counts ~0 (a lower bound). (builds, seconds), or None when
+    the scan ran out of its bounds or could not read."""
+    import stat as _stat
+    root, t0, seen = cache_root(spec["dir"]), _time.monotonic(), 0
+    spans = {}
+    stack = [os.path.join(root, str(name)) for name in spec.get("jit_dirs") or []]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > BUILD_SCAN_ENTRIES or _time.monotonic() - t0 > BUILD_SCAN_S:
+                return None
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if _stat.S_ISDIR(st.st_mode):
+                stack.append(entry.path)
+            elif _stat.S_ISREG(st.st_mode) and st.st_mtime >= since:
+                lo, hi = spans.get(folder, (st.st_mtime, st.st_mtime))
+                spans[folder] = (min(lo, st.st_mtime), max(hi, st.st_mtime))
+    return len(spans), sum(hi - lo for lo, hi in spans.values())
+
+
+def note_jit_builds(spec, start, elapsed):
+    """A start whose log shows no JIT phase gets what its caches show: jit_builds (how many) and
+    jit_files_s (their seconds by the files, at most the start's unexplained rest)."""
+    if not spec or not spec.get("jit_dirs") or start.get("jit_s") is not None or not elapsed:
+        return
+    found = jit_builds_since(spec, _time.time() - float(elapsed) - 1.0)
+    if found is None:
+        return
+    builds, seconds = found
+    rest = start.get("other_s")
+    start["jit_builds"] = builds
+    start["jit_files_s"] = round(min(seconds, rest) if isinstance(rest, (int, float)) else seconds, 2)
+
+
 def record_built(spec, start, release):
     """After a healthy start (or warm-up) of a launch whose cache keys are spec["keys"]: a key new
     to the ledger was built by this start, with the seconds its log showed for that phase; a
@@ -127,6 +180,8 @@ def _record_built(spec, start, release):
     for kind, key in sorted((spec.get("keys") or {}).items()):
         entries = kinds.setdefault(kind, {})
         seconds = start.get(kind)
+        if seconds is None and kind == "jit_s":  # the log timed none: the caches' own files did
+            seconds = start.get("jit_files_s")
         if key in entries:
             starts = entries[key].get("starts")
             entries[key]["starts"] = (starts if isinstance(starts, int) and not isinstance(starts, bool) and

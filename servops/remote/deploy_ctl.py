@@ -928,6 +928,7 @@ def op_health():
                 out["before"] = {"release": name, "starts": starts[-10:]}
                 break
         if ARGS.get("caches"):
+            note_jit_builds(ARGS["caches"], out.get("start") or {}, out.get("elapsed"))
             problem = record_built(ARGS["caches"], out.get("start") or {}, ARGS["name"])
             if problem:
                 out["cache_problem"] = problem
@@ -1073,6 +1074,7 @@ def op_warmup():
     if state != "healthy":
         out["excerpt"] = watch.excerpt()[-25:]
     elif ARGS.get("caches"):
+        note_jit_builds(ARGS["caches"], out["start"], elapsed)
         problem = record_built(ARGS["caches"], out["start"], name)
         if problem:
             out["cache_problem"] = problem
