@@ -13,7 +13,8 @@
 #   downtime  bench/jit_downtime.py: a deploy of llama8b-pw (piecewise: new compile kernels, pre-built
 #             beside the serving server) against a plain restart of it (issue #46.4; goal <= 1.3), on
 #             caches of its own (/tmp/servops-jit-dt, empty at first): its first deploy of llama8b is a
-#             cold first start (every JIT build), whatever the audit or a campaign built before
+#             cold first start (every JIT build), whatever the audit or a campaign built before;
+#             the steps after it use those caches, warm by then
 #   short     tune piecewise-8b-short (128-token prompts): llama8b / -cg / -pw / -breakable, repeated on
 #   long      fresh starts until the intervals are known; `long`: 2048-token prompts
 #   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
@@ -63,7 +64,10 @@ for step in "$@"; do case $step in
       run $PY -m invoke "${B[@]}"; run $PY -m invoke rollback -H $H; run $PY -m invoke "${B[@]}";;
   downtime) mkdir -p -m 700 /tmp/servops-jit-dt
             run $PY bench/jit_downtime.py -I inventory/gpu-8b-dt.yml -H $H --base llama8b --new llama8b-pw
-            SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml run $PY -m invoke history -H $H;;
+            SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml run $PY -m invoke history -H $H
+            # its caches now hold every kernel of both launches: the steps after it start warm, as a
+            # serving host's would, and the -pw audit verdicts it kept (same deploy root) stand
+            export SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml;;
   short) run $PY -m invoke tune piecewise-8b-short -H $H;;
   long) run $PY -m invoke tune piecewise-8b-long -H $H;;
   table) run $PY bench/piecewise_value.py -H $H piecewise-8b-short piecewise-8b-long

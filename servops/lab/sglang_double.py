@@ -732,14 +732,12 @@ def jit_builds(args) -> None:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "build.ninja"), "w") as fh:  # as ninja's build directory starts
             fh.write(f"# double build of {name}\n")
-        if silent:
-            pass
-        elif kind == "flashinfer":
+        if kind == "flashinfer" and not silent:
             now = time.time()
             print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))},{int(now % 1 * 1000):03d} - INFO - "
                   f"core.py:594 - flashinfer.jit: Building JIT module {name}; this can take several minutes on "
                   f"first use.", flush=True)
-        else:
+        elif not silent:
             log(f"Try DeepGEMM JIT Compiling for <GEMM_NT_F8F8BF16> N=4096, K=4096, num_groups=1 with all Ms. It only "
                 f"takes a little time (typically 1 sec) if you have run `python3 -m sglang.compile_deep_gemm`. ")
         time.sleep(per_module)
