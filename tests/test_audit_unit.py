@@ -329,6 +329,7 @@ def test_a_secret_flag_stays_off_the_audit_servers_command_line():
                            "inv.yml").hosts["h1"]
     variant = load_variant("piecewise-fp8")
     variant["server_args"] = dict(variant["server_args"], **{"api-key": "sk-live-0123456789"})
+    variant["env"] = dict(variant.get("env") or {}, HF_TOKEN="8")  # a secret as short as a flag's value
     launch = render_launch(host, variant)
     assert "sk-live-0123456789" not in launch.script            # as deploy writes it: "$SERVOPS_ARG_API_KEY"
     engine = engines.of_variant(variant)
@@ -336,3 +337,4 @@ def test_a_secret_flag_stays_off_the_audit_servers_command_line():
     assert "sk-live-0123456789" not in argv and "--api-key" not in argv
     assert argv[argv.index("--model-path") + 1] == "/tmp/shrunk" and "--load-format" in argv
     assert "--cuda-graph-backend-prefill" in argv or "--enable-piecewise-cuda-graph" in argv
+    assert argv[argv.index("--tp-size") + 1] == "8"  # never taken for that secret
