@@ -69,16 +69,17 @@ def run(plan: Plan, *, fix: bool, rounds: int, tolerance: float, phases: Phases)
 
 
 def deploy_stage(hs: HostSession, variant_name: str, resolved: dict, launch: Launch, facts: dict,
-                 wanted: list[str], *, fix: bool, skip: bool, phases: Phases) -> list[str]:
+                 wanted: list[str], *, fix: bool, skip: bool, phases: Phases) -> list[str] | None:
     """The patches the audit adds to the deploy's set (stored ones that cover its breaks, and
-    those the fix loop proved); refuses an uncovered break."""
+    those the fix loop proved); refuses an uncovered break. None: no audit (a launch that does
+    not compile, --skip-audit)."""
     engine = engines.of_variant(resolved)
     version = engine_version(facts)
     if not launch_compiles(engine, launch.args, version):
-        return []
+        return None
     if skip:
         phases.step("audit", f"{hs.host.name}: skipped (--skip-audit): the compiled region is not audited")
-        return []
+        return None
     fix_set = [patchstore.find_patch(n) for n in wanted]
     plan = Plan(hs=hs, variant=variant_name, resolved=resolved, engine=engine, launch=launch, fix_set=fix_set,
                 version=version, reuse=True)

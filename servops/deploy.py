@@ -188,8 +188,11 @@ def deploy_group(nodes: list[HostSession], variant: str | dict, *, dry_run: bool
         # the fix set is the RESOLVED variant's: a `when:` rule adds the patches a release needs
         wanted = [] if skip_patches else list(resolved.get("patches") or [])
         if hs is nodes[0] and not dry_run and not skip_patches:  # one audit per server, on rank 0's host
+            a0 = time.monotonic()
             added = auditstage.deploy_stage(hs, variant_name, resolved, launch, facts, wanted, fix=fix,
                                             skip=skip_audit, phases=phases)
+            if record is not None and added is not None:  # spent before anything stopped (tune shows it)
+                record["audit_s"] = round(time.monotonic() - a0, 2)
             if added:
                 store = patchstore.all_patches()  # the fix loop may have stored new patches
                 wanted += [n for n in added if n not in wanted]
@@ -300,7 +303,9 @@ def _deploy_locked(prepared, locks, variant_name, phases, wanted, *, diff, no_ro
         for n, (_hs, resolved, _launch, _actions), plan in zip(nodes, prepared, plans):
             n.extra["compare"] = [n.name, previous[n.hs.host.name]]  # its start judged against the one it replaces
             if plan.prebuild:  # the kernels built while the old server still serves
+                p0 = time.monotonic()
                 prebuild.run(n.hs, n.name, resolved, n.meta, plan.caches, plan.prebuild, phases)
+                record["prebuild_s"] = round(record.get("prebuild_s", 0.0) + time.monotonic() - p0, 2)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             interrupt.request()

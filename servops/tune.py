@@ -810,11 +810,16 @@ class Runner:
         deploy_s = time.monotonic() - d0
         if record.get("state") == "healthy":
             record["start"] = self._start_times(record)
+        before_stop = {name: record[name] for name in ("audit_s", "prebuild_s") if is_number(record.get(name))}
         self.journal.write(dict(base, phase="deployed", release=record.get("release"), outcome=record.get("state"),
                                 reason=record.get("reason"), deploy_s=round(deploy_s, 2), start=record.get("start"),
-                                patches=record.get("patches")))
+                                patches=record.get("patches"), **before_stop))
+        # where the deploy's time went before the old server stopped: the audit, the pre-build
+        spent = ", ".join(f"{'audit' if name == 'audit_s' else 'pre-build'} {s:.1f}s" for name, s in before_stop.items())
         # a crash's reason is its diagnosis, on the next line; other failures say theirs here
-        self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s ({record.get('release') or 'no release'})"
+        self.phase(t, k, "deploy", f"{record.get('state')} in {deploy_s:.1f}s"
+                   + (f" ({spent} before the old server stopped)" if spent else "")
+                   + f" ({record.get('release') or 'no release'})"
                    + (f"; {startup.text(record['start'])}" if record.get("start") else "")
                    + ("" if record.get("state") in ("healthy",) + CRASHES else f": {record.get('reason')}"))
         return record, deploy_s

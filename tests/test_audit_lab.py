@@ -5,6 +5,7 @@ loader (labkernels, 32 and more): two breaks at different sizes. The audit finds
 stops, --fix synthesises and proves a custom op for each, and the deploy takes the stored fixes."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def test_two_breaks_found_before_the_restart_fixed_by_synthesised_patches_and_de
                                       "objective: {maximize: output_tps@1}\nleave: base\n")
     tuned = run_invoke("tune", "pwcamp", inventory=inv, env=dict(benv, SERVOPS_CAMPAIGNS=str(camps)), timeout=900)
     assert tuned.returncode == 0, tuned.stdout + tuned.stderr
+    # where its deploy's time went before the old server stopped: the audit stage (its verdicts kept)
+    line = next(l for l in tuned.stdout.splitlines() if "fp8pw-bare" in l and " deploy " in l)
+    assert re.search(r"healthy in [\d.]+s \(audit [\d.]+s before the old server stopped\)", line), line
     table = tuned.stdout[tuned.stdout.index("campaign pwcamp"):]
     for name in written:
         assert f"+ patch {name} (the audit's)" in table, table
@@ -136,6 +140,8 @@ def test_two_breaks_found_before_the_restart_fixed_by_synthesised_patches_and_de
               .read_text().splitlines()]
     done = next(e for e in trials if e.get("phase") == "done" and e.get("trial") == "fp8pw-bare")
     assert done["patches"][0] == "cuda-version-no-subprocess" and sorted(done["patches"][1:]) == written, done
+    deployed_entries = {e["trial"]: e for e in trials if e.get("phase") == "deployed"}
+    assert "audit_s" in deployed_entries["fp8pw-bare"] and "audit_s" not in deployed_entries["base"]
 
 
 def test_the_hand_written_gemm_patch_leaves_one_break_and_a_host_without_the_model_is_not_audited(
