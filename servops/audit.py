@@ -40,7 +40,7 @@ from .errors import ServopsError
 from .patchstore import Patch
 from .provenance import operator
 from .releases import deploy_root
-from .render import Launch, server_argv
+from .render import MIN_SECRET_CHARS, Launch, server_argv
 from .remote_exec import run_program
 from .transport import HostSession
 
@@ -198,7 +198,7 @@ def audit_argv(engine: engines.Engine, launch: Launch, overrides: dict) -> list[
     drop = {flag_name(k) for k in overrides}
     # A flag carrying a secret (--api-key) is left out: the audit server is a local child nobody
     # else calls, and a value on its command line is readable by every user of the host (ps).
-    secrets = {v for v in launch.secret_env.values() if len(v) >= 4}  # as render's shell_words: never a "1"
+    secrets = {v for v in launch.secret_env.values() if len(v) >= MIN_SECRET_CHARS}
     args = {k: v for k, v in launch.args.items()
             if flag_name(k) not in drop and not (isinstance(v, (str, int, float)) and str(v) in secrets)}
     args.update(overrides)

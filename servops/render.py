@@ -208,10 +208,14 @@ def server_argv(server_args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+# a secret shorter than this is never matched against argv words: a "1" would take `--tp-size 1` with it
+MIN_SECRET_CHARS = 4
+
+
 def shell_words(argv: list[str], secret_env: Mapping[str, str]) -> list[str]:
     """argv as shell words; an argument equal to a secret env value (`--api-key <token>`) becomes
     "$NAME", expanded by bash from the secrets file, so the value never sits in the script."""
-    by_value = {v: k for k, v in secret_env.items() if len(v) >= 4}
+    by_value = {v: k for k, v in secret_env.items() if len(v) >= MIN_SECRET_CHARS}
     return [f'"${by_value[a]}"' if a in by_value else shlex.quote(a) for a in argv]
 
 

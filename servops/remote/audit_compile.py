@@ -233,9 +233,9 @@ def run_audit():
     if config is None:
         reply({"state": "not-audited", "why": why})
         return
-    gpus, mem = None, "%g" % float(ARGS.get("mem_fraction") or 0.05)
     wanted = int(ARGS.get("gpus_needed") or 1)
     fraction, overhead = float(ARGS.get("mem_fraction") or 0.05), int(ARGS.get("overhead_mib") or 3072)
+    gpus, mem = None, "%g" % fraction
     if ARGS.get("device", "cuda") == "cuda":
         gpus = gpu_memory()
         if not gpus:
