@@ -195,8 +195,9 @@ with open(os.environ["H7_FORKED"], "w") as fh:
 """
 
 
-def probe_program(remote_env: dict, lib: Path, module: str, tmp: Path, timeout_s: int) -> tuple[dict, float]:
-    request = {"module": module, "qualname": "f", "args": [], "kwargs": {}, "cases": [{"sizes": {}}]}
+def probe_program(remote_env: dict, lib: Path, module: str, tmp: Path, timeout_s: int,
+                  request: dict | None = None) -> tuple[dict, float]:
+    request = request or {"module": module, "qualname": "f", "args": [], "kwargs": {}, "cases": [{"sizes": {}}]}
     args = {"op": "probe", "request": request, "shim": audit.SHIM.read_text(), "patches": [],
             "env": {"PYTHONPATH": str(lib), "H7_FORKED": str(tmp / "forked")}, "timeout_s": timeout_s}
     started = time.monotonic()
@@ -225,6 +226,21 @@ def test_a_probe_whose_worker_keeps_its_pipe_answers_when_it_ends_and_the_worker
     assert (tmp_path / "forked").exists()
     leftover = subprocess.run(["pgrep", "-f", "h7fork"], capture_output=True, text=True).stdout.split()
     assert [p for p in leftover if int(p) != os.getpid()] == []
+
+
+def test_a_probe_size_from_a_hostile_break_record_is_refused_before_anything_is_allocated(tmp_path, remote_env):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "h7ident.py").write_text("def f(x):\n    return x\n")
+    tensor = {"kind": "tensor", "shape": [{"sym": "s0", "hint": 4}, 8], "dtype": "torch.float32", "device": "cpu"}
+    request = {"module": "h7ident", "qualname": "f", "args": [tensor], "kwargs": {},
+               "cases": [{"sizes": {"s0": 4}}, {"sizes": {"s0": 1 << 40}}, {"sizes": {"s0": 4}, "scale": {"8": 1 << 36}}]}
+    reply, _ = probe_program(remote_env, lib, "h7ident", tmp_path, timeout_s=120, request=request)
+    fits, huge, scaled = reply["cases"]
+    # before: torch.rand([2**40, 8]) on the host (32 TiB asked of the serving machine's memory)
+    assert fits["ok"] and fits["output"]["shape"] == [4, 8]
+    for case in (huge, scaled):
+        assert not case["ok"] and "past the probe's bound" in case["error"]
 
 
 # ---- the proof over a capture list of 10^4 sizes: a host's engine, answering slowly -----------------
