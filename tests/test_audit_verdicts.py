@@ -110,6 +110,24 @@ def test_the_key_follows_every_input_and_the_installation(tmp_path):
     assert verdict_key(base, [str(site)], []) != installed
 
 
+def test_a_same_size_edit_whose_mtime_was_put_back_still_changes_the_key(tmp_path, monkeypatch):
+    from servops.remote.audit_verdicts import verdict_key
+
+    pkg = tmp_path / "h8vpkg"
+    pkg.mkdir()
+    source = pkg / "__init__.py"
+    source.write_text("LIMIT = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = verdict_key({}, [], ["h8vpkg"])
+    was = source.stat()
+    time.sleep(0.02)  # the ctime clock's step, on any filesystem
+    source.write_text("LIMIT = 9\n")  # same size
+    os.utime(source, ns=(was.st_atime_ns, was.st_mtime_ns))  # `touch -r`: the mtime put back
+    assert source.stat().st_mtime_ns == was.st_mtime_ns and source.stat().st_size == was.st_size
+    # before: size and mtime only, so the edited engine reused the unedited one's verdict
+    assert verdict_key({}, [], ["h8vpkg"]) != before
+
+
 def test_a_crash_is_never_kept_and_a_damaged_file_is_no_verdict(tmp_path):
     host = Host(tmp_path)
     crashed = host.audit(reuse=False, crash=True)

@@ -3,8 +3,9 @@
 # before every deploy of it). The key is a digest of everything the round's outcome follows from:
 # the launch (module, argv with the audit's placeholders, env), the fix set's texts, the shim and the
 # files served beside the launch, the model's config, the GPUs' model, the python, every installed
-# distribution (name, its RECORD's size and mtime: a reinstall changes them) and every file of the
-# engine's own packages but its bytecode (size and mtime: a hand edit changes them). Only an outcome that follows from
+# distribution (name, its RECORD's size and times: a reinstall changes them) and every file of the
+# engine's own packages but its bytecode (size, mtime and ctime: a hand edit changes them, and one
+# that puts the mtime back with `touch -r` still moves the ctime, which no user can set). Only an outcome that follows from
 # those is kept: healthy (every size captured) or a dynamo break; never a crash, a timeout or a flood.
 # Standard library only: a library of audit_compile.py, importable as servops.remote.audit_verdicts.
 import hashlib
@@ -25,8 +26,8 @@ def _feed(h, obj):
 
 
 def installed_fingerprint(h, sites, packages):
-    """Every distribution of the python (its RECORD's size and mtime) and every file of the
-    engine's packages (size and mtime), fed into `h`."""
+    """Every distribution of the python (its RECORD's stat) and every file of the engine's packages
+    (size, mtime, ctime), fed into `h`."""
     for site in sites:
         try:
             names = sorted(n for n in os.listdir(site) if n.endswith(".dist-info"))
@@ -35,7 +36,7 @@ def installed_fingerprint(h, sites, packages):
         for name in names:
             try:
                 st = os.stat(os.path.join(site, name, "RECORD"))
-                _feed(h, [site, name, st.st_size, st.st_mtime_ns])
+                _feed(h, [site, name, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
             except OSError:
                 _feed(h, [site, name, None])
     for package in packages:
@@ -49,7 +50,7 @@ def installed_fingerprint(h, sites, packages):
         for root in roots:
             if os.path.isfile(root):
                 st = os.stat(root)
-                _feed(h, [package, root, st.st_size, st.st_mtime_ns])
+                _feed(h, [package, root, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
                 continue
             for dirpath, dirnames, filenames in os.walk(root):
                 # bytecode is written by whoever imports first (the audit server itself): not an input
@@ -63,7 +64,8 @@ def installed_fingerprint(h, sites, packages):
                         st = os.lstat(os.path.join(dirpath, f))
                     except OSError:
                         continue
-                    _feed(h, [os.path.relpath(os.path.join(dirpath, f), root), st.st_size, st.st_mtime_ns])
+                    _feed(h, [os.path.relpath(os.path.join(dirpath, f), root), st.st_size, st.st_mtime_ns,
+                           st.st_ctime_ns])
 
 
 def verdict_key(inputs, sites, packages):
