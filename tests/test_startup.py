@@ -30,7 +30,8 @@ def lines(name: str) -> list[str]:
     ("healthy/sglang-pr20758-musa-piecewise-capture.log", None, {"compile_s": 3.38, "capture_s": 27.4}),
     # vLLM: torch.compile and capture as it reports them
     ("healthy/glm-v-204-vllm-capture-startup.log", None, {"compile_s": 7.14, "capture_s": 7.0}),
-    ("healthy/vllm-pr29335-compile-capture-bars.log", None, {"weights_s": 27.2, "compile_s": 33.31}),
+    # its "torch.compile takes 19.69 s in total" holds the dynamo transform (6.07) and the graph (13.62)
+    ("healthy/vllm-pr29335-compile-capture-bars.log", None, {"weights_s": 27.2, "compile_s": 19.69}),
     # a TP/EP worker's capture line ("(Worker_TP3_EP3 pid=..)")
     ("healthy/vllm-25848-worker-tp-ep-capture.log", None, {"capture_s": 38.0}),
 ])
@@ -63,6 +64,44 @@ def test_a_one_line_jit_build_lasts_until_the_next_record():
            "avail mem=124.22 GB."]
     assert start_phases(log, 110.0) == {"weights_s": 0.11, "jit_s": 100.5, "capture_s": 1.42, "start_s": 110.0,
                                         "other_s": 7.97}
+
+
+# vLLM states some phases twice, as parts and as the whole that holds them; verbatim lines
+# (each thread's code-block indentation left out):
+# a draft model compiled after the target (vllm-project/speculators#166): the second total is cumulative
+SPECULATORS_166 = """\
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:03 [backends.py:634] Dynamo bytecode transform time: 3.38 s
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:05 [backends.py:279] Compiling a graph for dynamic shape takes 2.33 s
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:06 [monitor.py:34] torch.compile takes 5.71 s in total
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:06 [backends.py:634] Dynamo bytecode transform time: 0.39 s
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:06 [backends.py:279] Compiling a graph for dynamic shape takes 0.14 s
+(EngineCore_DP0 pid=774560) INFO 10-30 14:21:07 [monitor.py:34] torch.compile takes 6.25 s in total"""
+# 2026's vLLM (vllm-project/vllm#44106): the loader's weights inside the runner's model loading
+VLLM_44106 = """\
+(EngineCore pid=1265223) INFO 06-02 00:51:39 [default_loader.py:397] Loading weights took 26.93 seconds
+(EngineCore pid=1265223) INFO 06-02 00:51:40 [model_runner.py:295] Model loading took 7.64 GiB and 32.969258 seconds"""
+# vLLM 0.7's parts, each graph for one shape, with no total line (vllm-project/vllm#13144, cut before it)
+VLLM_13144_PARTS = """\
+INFO 02-18 04:51:41 backends.py:585] Dynamo bytecode transform time: 5.63 s
+INFO 02-18 04:51:45 backends.py:207] Directly lookup the graph for shape None from the cache
+INFO 02-18 04:51:45 backends.py:321] Compiling a graph for general shape takes 0.34 s"""
+
+
+def test_a_whole_that_holds_its_parts_is_taken_once():
+    # before: parts and wholes were summed (14.43 s of compile; 59.9 s of weights)
+    assert start_phases(SPECULATORS_166.splitlines()) == {"compile_s": 6.25}
+    assert start_phases(VLLM_44106.splitlines()) == {"weights_s": 32.97}
+    assert start_phases(VLLM_13144_PARTS.splitlines()) == {"compile_s": 5.97}
+
+
+def test_only_sglangs_compile_lines_are_taken_out_of_its_capture():
+    # vLLM compiles before it captures: its capture stays whole (glm-v-204's own lines, with a
+    # "Compiling a graph" line of vllm-project/vllm#27815 before them)
+    vllm = ["(EngineCore_DP0 pid=23579) INFO 10-15 23:09:23 [backends.py:274] Compiling a graph for dynamic shape "
+            "takes 41.40 s",
+            "(EngineCore_DP0 pid=23579) INFO 10-15 23:17:21 [monitor.py:33] torch.compile takes 47.72 s in total"]
+    capture = [line for line in lines("healthy/glm-v-204-vllm-capture-startup.log") if "Graph capturing" in line]
+    assert start_phases(vllm + capture) == {"compile_s": 47.72, "capture_s": 7.0}
 
 
 def test_text_names_every_phase_the_log_did_not_show():

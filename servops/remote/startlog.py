@@ -5,15 +5,17 @@
 #
 # The phases, in seconds; a phase the log does not show is left out (never a guessed 0):
 #   weights_s   loading the weights     sglang "Load weight end. elapsed=X s" (0.5.1x; older: the
-#                                       begin/end lines' timestamps); vLLM "Loading weights took X
-#                                       seconds" / "Model loading took .. GiB and X seconds"
+#                                       begin/end lines' timestamps); vLLM "Model loading took .. GiB
+#                                       and X seconds", else its "Loading weights took X seconds"
 #   jit_s       JIT kernel builds       FlashInfer "Loading JIT ops: M" .. "Finished loading JIT
 #                                       ops: M" (0.2.x) or "Building JIT module M" (0.6+), DeepGEMM
 #                                       "Entering DeepGEMM JIT Pre-Compile session" / "Try DeepGEMM JIT
 #                                       Compiling for ..." (sglang): each to the log's next record
 #   compile_s   torch.compile           sglang "Compiling a graph for (dynamic shape|shape N) takes X
 #                                       s" (piecewise; inside its prefill capture, so taken out of
-#                                       capture_s); vLLM "torch.compile takes X s in total"
+#                                       capture_s); vLLM "torch.compile takes|took X s in total",
+#                                       else its parts (dynamo's transform, each graph's compile
+#                                       or cache load)
 #   capture_s   CUDA-graph capture      sglang "Capture <role> <phase> CUDA graph end. elapsed=X s"
 #                                       (0.5.14+), "Capture (cuda|piecewise CUDA) graph end. Time
 #                                       elapsed: X s" (older); vLLM "Graph capturing finished in X secs"
@@ -38,18 +40,32 @@ _VLLM_RANK = _re.compile(r"\((?:Worker_)?(\S*TP\d+)\S* pid=\d+\)")
 
 # A number of seconds as the engines print it (12, 12.5): "1.2.3" or "." is none
 _SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
-# (phase, regex with the seconds as group 1): a phase the line states itself
+# (phase, level, regex with the seconds as group 1): a phase the line states itself. A phase
+# some engines state twice, as its parts and as a whole that holds them, has two levels: each
+# level is added up on its own, and the phase is the larger (never parts plus whole):
+#   vLLM's "Model loading took" holds its "Loading weights took";
+#   vLLM's "torch.compile takes|took X s in total" (older: "graph compilation takes") and
+#   "init engine ... (compilation: X s)" hold its "Dynamo bytecode transform time", each
+#   "Compiling a graph for ... takes" and "Directly load the compiled graph(s) ... took". A
+#   whole is cumulative where a draft model compiles too (5.71 s, then 6.25 s), so its level
+#   keeps the largest, not the sum.
 _VALUES = (
-    ("weights_s", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
-    ("weights_s", _re.compile(r"Loading weights took %s seconds" % _SECS)),
-    ("weights_s", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
-    ("capture_s", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=%s s" % _SECS)),
-    ("capture_s", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: %s s" % _SECS)),
-    ("capture_s", _re.compile(r"Graph capturing finished in %s secs?" % _SECS)),
-    ("compile_s", _re.compile(r"Compiling a graph for (?:dynamic shape|shape \S+) takes %s s" % _SECS)),
-    ("compile_s", _re.compile(r"torch\.compile takes %s s in total" % _SECS)),
+    ("weights_s", "part", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
+    ("weights_s", "part", _re.compile(r"Loading weights took %s seconds" % _SECS)),
+    ("weights_s", "whole", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
+    ("capture_s", "part", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=%s s" % _SECS)),
+    ("capture_s", "part", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: %s s" % _SECS)),
+    ("capture_s", "part", _re.compile(r"Graph capturing finished in %s secs?" % _SECS)),
+    ("compile_s", "part", _re.compile(r"Compiling a graph for (?:dynamic shape|general shape|shape \S+|"
+                                      r"compile range \([^)]{0,64}\)) takes %s s" % _SECS)),
+    ("compile_s", "part", _re.compile(r"Dynamo bytecode transform time: %s s" % _SECS)),
+    ("compile_s", "part", _re.compile(r"Directly load the compiled graph\(s\) for .{0,200}? took %s s" % _SECS)),
+    ("compile_s", "whole", _re.compile(r"(?:torch\.compile|graph compilation) (?:takes|took) %s s in total" % _SECS)),
+    ("compile_s", "whole", _re.compile(r"init engine \(.{0,80}\) took [0-9.]+ s(?:econds)? \(compilation: %s s\)"
+                                       % _SECS)),
 )
-# sglang's piecewise compile runs within its prefill capture: taken out of capture_s
+# sglang's piecewise compile runs within its prefill capture: taken out of capture_s (vLLM
+# compiles before it captures)
 _COMPILE_IN_CAPTURE = "Compiling a graph for"
 _WEIGHTS_BEGIN = _re.compile(r"Load weight begin\b")
 _WEIGHTS_END = _re.compile(r"Load weight end\.")
@@ -118,37 +134,41 @@ def start_phases(lines, total=None):
             last_time = t
             got = per_rank.setdefault(rank, {})
             if jit_pending is not None:
-                _phase_add(per_rank.setdefault(jit_pending[0], {}), "jit_s", max(0.0, t - jit_pending[1]))
+                _phase_add(per_rank.setdefault(jit_pending[0], {}), ("jit_s", "part"), max(0.0, t - jit_pending[1]))
                 jit_pending = None
-            for key, rx in _VALUES:
+            for key, level, rx in _VALUES:
                 m = rx.search(part)
                 if m:
-                    _phase_add(got, key, float(m.group(1)))
-                    if _COMPILE_IN_CAPTURE in part:
+                    if level == "whole" and key == "compile_s":  # cumulative: its largest
+                        _phase_max(got, (key, level), float(m.group(1)))
+                    else:
+                        _phase_add(got, (key, level), float(m.group(1)))
+                    if _COMPILE_IN_CAPTURE in part and _SGLANG_TS.match(part):
                         inside[rank] = inside.get(rank, 0.0) + float(m.group(1))
             if _WEIGHTS_BEGIN.search(part):
                 weights_begin[rank] = t
             elif _WEIGHTS_END.search(part) and "elapsed=" not in part and rank in weights_begin:
-                _phase_add(got, "weights_s", t - weights_begin.pop(rank))  # (a clock stepped back: left out)
+                _phase_add(got, ("weights_s", "part"), t - weights_begin.pop(rank))  # (a clock stepped back: left out)
             m = _JIT_PAIR.search(part)
             if m:
                 if m.group(1) == "Loading":
                     jit_open.setdefault((rank, m.group(2)), t)
                 elif (rank, m.group(2)) in jit_open:
-                    _phase_add(got, "jit_s", t - jit_open.pop((rank, m.group(2))))
+                    _phase_add(got, ("jit_s", "part"), t - jit_open.pop((rank, m.group(2))))
             elif _JIT_ONE.search(part):
                 jit_pending = (rank, t)
     if jit_pending is not None and last_time is not None:  # a build still running at the log's end
-        _phase_add(per_rank.setdefault(jit_pending[0], {}), "jit_s", max(0.0, last_time - jit_pending[1]))
+        _phase_add(per_rank.setdefault(jit_pending[0], {}), ("jit_s", "part"), max(0.0, last_time - jit_pending[1]))
     for (rank, _m), t in jit_open.items():
-        _phase_add(per_rank.setdefault(rank, {}), "jit_s", max(0.0, (last_time or t) - t))
+        _phase_add(per_rank.setdefault(rank, {}), ("jit_s", "part"), max(0.0, (last_time or t) - t))
+    phases = {rank: _by_phase(levels) for rank, levels in per_rank.items()}
     for rank, secs in inside.items():
-        got = per_rank[rank]
+        got = phases[rank]
         if "capture_s" in got:
             got["capture_s"] = max(0.0, got["capture_s"] - secs)
     out = {}
     for key in START_PHASES:
-        seen = [r[key] for r in per_rank.values() if _plausible(r.get(key))]
+        seen = [r[key] for r in phases.values() if _plausible(r.get(key))]
         if seen:
             out[key] = round(max(seen), 2)
     total = _total_of(total)
@@ -167,6 +187,22 @@ def _total_of(total):
     except (TypeError, ValueError):
         return None
     return total if _plausible(total) else None
+
+
+def _by_phase(levels):
+    """{phase: seconds} of one rank's {(phase, level): seconds}: the larger level (a whole holds
+    its parts); a level marked unknown makes the phase unknown."""
+    out = {}
+    for (key, _level), seconds in levels.items():
+        known = out.get(key, 0.0)
+        out[key] = float("nan") if seconds != seconds or known != known else max(known, seconds)
+    return out
+
+
+def _phase_max(got, key, seconds):
+    """A cumulative figure: the largest kept (one past MAX_PHASE_S spoils the phase, as in _phase_add)."""
+    known = got.get(key, 0.0)
+    got[key] = float("nan") if not 0 <= seconds <= MAX_PHASE_S or known != known else max(known, seconds)
 
 
 def _phase_add(got, key, seconds):
