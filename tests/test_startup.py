@@ -104,6 +104,23 @@ def test_only_sglangs_compile_lines_are_taken_out_of_its_capture():
     assert start_phases(vllm + capture) == {"compile_s": 47.72, "capture_s": 7.0}
 
 
+def test_sglangs_speculative_draft_captures_are_capture_too():
+    # the formats of sglang 0.5.17's own logger calls (speculative/eagle_worker_v2.py,
+    # multi_layer_eagle_draft_extend_cuda_graph_runner.py: each step timed on its own)
+    log = ["[2026-12-07 10:00:00 TP0] Capture target decode CUDA graph end. elapsed=3.20 s, mem usage=0.40 GB, "
+           "avail mem=60.00 GB.",
+           "[2026-12-07 10:00:02 TP0] Capture draft decode CUDA graph end. elapsed=1.50 s, mem usage=0.10 GB, "
+           "avail mem=59.90 GB.",
+           "[2026-12-07 10:00:03 TP0] Capture draft extend CUDA graph end. step=1, elapsed=0.70 s, mem usage=0.05 GB, "
+           "avail mem=59.85 GB.",
+           "[2026-12-07 10:00:04 TP0] Capture draft extend CUDA graph end. step=0, elapsed=0.60 s, mem usage=0.05 GB, "
+           "avail mem=59.80 GB.",
+           "[2026-12-07 10:00:05 TP0] Capture single-CG draft extend end. elapsed=0.50 s, mem usage=0.05 GB, "
+           "avail mem=59.75 GB.",
+           "[2026-12-07 10:00:05 TP0] Init torch distributed ends. elapsed=0.90 s, mem usage=0.00 GB"]
+    assert start_phases(log) == {"capture_s": 6.5}
+
+
 def test_text_names_every_phase_the_log_did_not_show():
     start = {"start_s": 35.24, "weights_s": 3.0, "capture_s": 12.1, "other_s": 20.14}
     assert startup.text(start) == ("start to healthy 35.2s (weights 3.0s, capture 12.1s, other 20.1s; "

@@ -53,7 +53,9 @@ _VALUES = (
     ("weights_s", "part", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
     ("weights_s", "part", _re.compile(r"Loading weights took %s seconds" % _SECS)),
     ("weights_s", "whole", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
-    ("capture_s", "part", _re.compile(r"Capture \w+ \w+ (?:CUDA|CPU|NPU|XPU) graph end\. elapsed=%s s" % _SECS)),
+    # 0.5.14+: "Capture target decode CUDA graph end.", "Capture draft extend CUDA graph end. step=2,"
+    # (each step its own), "Capture single-CG draft extend end.", "Capture target decode NPU graph end."
+    ("capture_s", "part", _re.compile(r"Capture [\w-]+(?: [\w-]+){1,4} end\. (?:step=\d+, )?elapsed=%s s" % _SECS)),
     ("capture_s", "part", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: %s s" % _SECS)),
     ("capture_s", "part", _re.compile(r"Graph capturing finished in %s secs?" % _SECS)),
     ("compile_s", "part", _re.compile(r"Compiling a graph for (?:dynamic shape|general shape|shape \S+|"
