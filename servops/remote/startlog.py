@@ -6,7 +6,8 @@
 # The phases, in seconds; a phase the log does not show is left out (never a guessed 0):
 #   weights_s   loading the weights     sglang "Load weight end. elapsed=X s" (0.5.1x; older: the
 #                                       begin/end lines' timestamps); vLLM "Model loading took .. GiB
-#                                       and X seconds", else its "Loading weights took X seconds"
+#                                       and X seconds", else its "Initializing model took" and
+#                                       "Loading weights took X seconds"
 #   jit_s       JIT kernel builds       FlashInfer "Loading JIT ops: M" .. "Finished loading JIT
 #                                       ops: M" (0.2.x) or "Building JIT module M" (0.6+), DeepGEMM
 #                                       "Entering DeepGEMM JIT Pre-Compile session" / "Try DeepGEMM JIT
@@ -15,7 +16,8 @@
 #                                       s" (piecewise; inside its prefill capture, so taken out of
 #                                       capture_s); vLLM "torch.compile takes|took X s in total",
 #                                       else its parts (dynamo's transform, each graph's compile
-#                                       or cache load)
+#                                       or cache load); its CPU runner's "Warming up model for the
+#                                       compilation..." to "Warming up done."
 #   capture_s   CUDA-graph capture      sglang "Capture <role> <phase> CUDA graph end. elapsed=X s"
 #                                       (0.5.14+), "Capture (cuda|piecewise CUDA) graph end. Time
 #                                       elapsed: X s" (older); vLLM "Graph capturing finished in X secs"
@@ -52,6 +54,7 @@ _SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
 _VALUES = (
     ("weights_s", "part", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
     ("weights_s", "part", _re.compile(r"Loading weights took %s seconds" % _SECS)),
+    ("weights_s", "part", _re.compile(r"Initializing model took %s seconds" % _SECS)),  # vLLM 0.2x+: before its weights
     ("weights_s", "whole", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
     # 0.5.14+: "Capture target decode CUDA graph end.", "Capture draft extend CUDA graph end. step=2,"
     # (each step its own), "Capture single-CG draft extend end.", "Capture target decode NPU graph end."
@@ -71,6 +74,10 @@ _VALUES = (
 _COMPILE_IN_CAPTURE = "Compiling a graph for"
 _WEIGHTS_BEGIN = _re.compile(r"Load weight begin\b")
 _WEIGHTS_END = _re.compile(r"Load weight end\.")
+# vLLM's CPU runner times its compile by two lines, "Warming up model for the compilation..." and
+# "Warming up done." (0.32: dynamo traced once, inductor); nothing between them states a time
+_CPU_COMPILE_BEGIN = _re.compile(r"Warming up model for the compilation\b")
+_CPU_COMPILE_END = _re.compile(r"\] Warming up done\.")
 _JIT_PAIR = _re.compile(r"flashinfer\.jit: (Finished loading|Loading) JIT ops: (\S+)")
 _JIT_ONE = _re.compile(r"Building JIT module (\S+?);|Entering DeepGEMM JIT Pre-Compile session|"
                        r"Try DeepGEMM JIT Compiling for")
@@ -123,6 +130,7 @@ def start_phases(lines, total=None):
     jit_open = {}   # (rank, module) -> its "Loading JIT ops" time
     jit_pending = None  # (rank, time) of a one-line JIT record, ended by the next record
     weights_begin = {}
+    compile_begin = {}  # rank -> vLLM's CPU compile warm-up began
     last_time = None
     for raw in lines:
         line = raw.rstrip("\n")
@@ -147,6 +155,10 @@ def start_phases(lines, total=None):
                         _phase_add(got, (key, level), float(m.group(1)))
                     if _COMPILE_IN_CAPTURE in part and _SGLANG_TS.match(part):
                         inside[rank] = inside.get(rank, 0.0) + float(m.group(1))
+            if _CPU_COMPILE_BEGIN.search(part):
+                compile_begin[rank] = t
+            elif _CPU_COMPILE_END.search(part) and rank in compile_begin:
+                _phase_add(got, ("compile_s", "part"), t - compile_begin.pop(rank))
             if _WEIGHTS_BEGIN.search(part):
                 weights_begin[rank] = t
             elif _WEIGHTS_END.search(part) and "elapsed=" not in part and rank in weights_begin:
