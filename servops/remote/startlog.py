@@ -35,9 +35,9 @@ START_PHASES = ("weights_s", "jit_s", "compile_s", "capture_s")
 MAX_PHASE_S = 7 * 24 * 3600.0
 MAX_LINE_CHARS = 4096
 
-_SGLANG_TS = _re.compile(r"^(?:\([^)]*\) )?\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: ([^\]]*))?\]")
+_SGLANG_TS = _re.compile(r"^\s*(?:\([^)]*\) )?\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: ([^\]]*))?\]")
 _ASCTIME = _re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - [A-Z]+ - ")
-_VLLM_TS = _re.compile(r"^(?:\((\S+) pid=\d+\) )*(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ")
+_VLLM_TS = _re.compile(r"^\s*(?:\((\S+) pid=\d+\) )*(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d) ")
 _VLLM_RANK = _re.compile(r"\((?:Worker_)?(\S*TP\d+)\S* pid=\d+\)")
 
 # A number of seconds as the engines print it (12, 12.5): "1.2.3" or "." is none
@@ -52,14 +52,15 @@ _SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
 #   whole is cumulative where a draft model compiles too (5.71 s, then 6.25 s), so its level
 #   keeps the largest, not the sum.
 _VALUES = (
-    ("weights_s", "part", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
+    # sglang 0.5.x prints vLLM's loader line too: its "Load weight end. elapsed=" holds it
+    ("weights_s", "whole", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
     ("weights_s", "part", _re.compile(r"Loading weights took %s seconds" % _SECS)),
     ("weights_s", "part", _re.compile(r"Initializing model took %s seconds" % _SECS)),  # vLLM 0.2x+: before its weights
     ("weights_s", "whole", _re.compile(r"Model loading took [0-9.]+ ?GiB(?: memory)? and %s seconds" % _SECS)),
     # 0.5.14+: "Capture target decode CUDA graph end.", "Capture draft extend CUDA graph end. step=2,"
     # (each step its own), "Capture single-CG draft extend end.", "Capture target decode NPU graph end."
     ("capture_s", "part", _re.compile(r"Capture [\w-]+(?: [\w-]+){1,4} end\. (?:step=\d+, )?elapsed=%s s" % _SECS)),
-    ("capture_s", "part", _re.compile(r"Capture (?:cuda|piecewise CUDA) graph end\. Time elapsed: %s s" % _SECS)),
+    ("capture_s", "part", _re.compile(r"Capture (?:[\w-]+ ){0,3}(?:cuda|CUDA) graph end\. Time elapsed: %s s" % _SECS)),
     ("capture_s", "part", _re.compile(r"Graph capturing finished in %s secs?" % _SECS)),
     ("compile_s", "part", _re.compile(r"Compiling a graph for (?:dynamic shape|general shape|shape \S+|"
                                       r"compile range \([^)]{0,64}\)) takes %s s" % _SECS)),
@@ -162,7 +163,7 @@ def start_phases(lines, total=None):
             if _WEIGHTS_BEGIN.search(part):
                 weights_begin[rank] = t
             elif _WEIGHTS_END.search(part) and "elapsed=" not in part and rank in weights_begin:
-                _phase_add(got, ("weights_s", "part"), t - weights_begin.pop(rank))  # (a clock stepped back: left out)
+                _phase_add(got, ("weights_s", "whole"), t - weights_begin.pop(rank))  # (a clock stepped back: left out)
             m = _JIT_PAIR.search(part)
             if m:
                 if m.group(1) == "Loading":
