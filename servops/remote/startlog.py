@@ -5,7 +5,8 @@
 #
 # The phases, in seconds; a phase the log does not show is left out (never a guessed 0):
 #   weights_s   loading the weights     sglang "Load weight end. elapsed=X s" (0.5.1x; older: the
-#                                       begin/end lines' timestamps); vLLM "Model loading took .. GiB
+#                                       begin/end lines' timestamps), which holds the "Loading
+#                                       weights took" 0.5.x prints too; vLLM "Model loading took .. GiB
 #                                       and X seconds", else its "Initializing model took" and
 #                                       "Loading weights took X seconds"
 #   jit_s       JIT kernel builds       FlashInfer "Loading JIT ops: M" .. "Finished loading JIT
@@ -19,8 +20,9 @@
 #                                       or cache load); its CPU runner's "Warming up model for the
 #                                       compilation..." to "Warming up done."
 #   capture_s   CUDA-graph capture      sglang "Capture <role> <phase> CUDA graph end. elapsed=X s"
-#                                       (0.5.14+), "Capture (cuda|piecewise CUDA) graph end. Time
-#                                       elapsed: X s" (older); vLLM "Graph capturing finished in X secs"
+#                                       (0.5.14+; a draft's per step too), "Capture (draft |
+#                                       piecewise )cuda graph end. Time elapsed: X s" (older); vLLM
+#                                       "Graph capturing finished in X secs"
 #   other_s     the rest of start to healthy (imports, process start, KV cache, the server's own
 #               warm-up request), when the total is known
 # Several ranks (sglang's "[... TP1]", vLLM's "(Worker_TP1 pid=..)"): each phase is summed per
@@ -45,7 +47,8 @@ _SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
 # (phase, level, regex with the seconds as group 1): a phase the line states itself. A phase
 # some engines state twice, as its parts and as a whole that holds them, has two levels: each
 # level is added up on its own, and the phase is the larger (never parts plus whole):
-#   vLLM's "Model loading took" holds its "Loading weights took";
+#   vLLM's "Model loading took" and sglang's "Load weight end. elapsed=" hold the loader's
+#   "Initializing model took" / "Loading weights took";
 #   vLLM's "torch.compile takes|took X s in total" (older: "graph compilation takes") and
 #   "init engine ... (compilation: X s)" hold its "Dynamo bytecode transform time", each
 #   "Compiling a graph for ... takes" and "Directly load the compiled graph(s) ... took". A
