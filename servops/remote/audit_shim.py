@@ -271,15 +271,16 @@ def install():
 
 # ---- the probe: the real function, called at several sizes ------------------------------------
 
-DEFAULT_PROBE_ELEMENTS = 1 << 28  # a tensor's elements (its fp32 draw: 1 GiB); a case past it is refused
+PROBE_MAX_ELEMENTS = 1 << 28  # a tensor's elements (its fp32 draw: 1 GiB); a case past it is refused
 
-def _make_tensor(torch, desc, sizes, scale, max_elements):
+
+def _make_tensor(torch, desc, sizes, scale):
     shape = [scale.get(str(d), d) if isinstance(d, int) else sizes[d["sym"]] for d in desc["shape"]]
     numel = 1
     for d in shape:
         numel *= max(int(d), 0)
-    if numel > max_elements:  # sizes come from a break record the host wrote: never an allocation past this
-        raise ValueError("a %s tensor of %d elements, past the probe's bound (%d)" % (shape, numel, max_elements))
+    if numel > PROBE_MAX_ELEMENTS:  # sizes come from a break record the host wrote: never an allocation past this
+        raise ValueError("a %s tensor of %d elements, past the probe's bound (%d)" % (shape, numel, PROBE_MAX_ELEMENTS))
     dtype = getattr(torch, desc["dtype"].replace("torch.", ""))
     device = desc.get("device") or "cpu"
     if dtype.is_floating_point:
@@ -295,14 +296,14 @@ def _make_tensor(torch, desc, sizes, scale, max_elements):
     return t
 
 
-def _value(torch, desc, sizes, scale, max_elements):
+def _value(torch, desc, sizes, scale):
     kind = desc.get("kind")
     if kind == "tensor":
-        return _make_tensor(torch, desc, sizes, scale, max_elements)
+        return _make_tensor(torch, desc, sizes, scale)
     if kind == "symint":
         return sizes[desc["sym"]]
     if kind == "list":
-        return [_value(torch, d, sizes, scale, max_elements) for d in desc["items"]]
+        return [_value(torch, d, sizes, scale) for d in desc["items"]]
     if kind == "const":
         if desc.get("type") == "dtype":
             return getattr(torch, desc["value"].replace("torch.", ""))
@@ -369,9 +370,8 @@ def probe(request):
         try:
             torch.manual_seed(0)
             scale = case.get("scale") or {}
-            bound_at = int(request.get("max_elements") or DEFAULT_PROBE_ELEMENTS)
-            args = [_value(torch, d, case["sizes"], scale, bound_at) for d in request["args"]]
-            kwargs = {k: _value(torch, d, case["sizes"], scale, bound_at) for k, d in request["kwargs"].items()}
+            args = [_value(torch, d, case["sizes"], scale) for d in request["args"]]
+            kwargs = {k: _value(torch, d, case["sizes"], scale) for k, d in request["kwargs"].items()}
             bound = sig.bind(*args, **kwargs)
             named = dict(bound.arguments)
             before = {k: _bytes(v).clone() for k, v in named.items() if isinstance(v, torch.Tensor)}
