@@ -134,12 +134,13 @@ def main(argv=None) -> int:
             raise SystemExit(f"invoke {' '.join(args)} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
         return res.stdout
 
+    skip_audit = ["--skip-audit"] if a.skip_audit else []
     outage = Outage(port)
     ratios_pre, ratios_cold = [], []
     try:
         invoke("deploy", "--variant", base)
         for r, (pre, no_pre) in enumerate(news):
-            down = outage.measure(lambda: invoke("deploy", "--variant", pre, *(["--skip-audit"] if a.skip_audit else [])))
+            down = outage.measure(lambda: invoke("deploy", "--variant", pre, *skip_audit))
             ref = outage.measure(lambda: invoke("restart"))
             ratios_pre.append(down / ref)
             line = f"round {r + 1}/{len(news)}: {pre}: new-JIT deploy {down:.2f}s with pre-build, restart {ref:.2f}s"

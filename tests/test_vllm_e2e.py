@@ -127,8 +127,9 @@ def test_real_vllm_deploy_check_bench_metrics_crash_rollback_stop(vhost, inv):
     assert res.returncode == 0, res.stdout[-4000:]
     assert "launch ok on vllm 0.32.0 (vllm's parser" in res.stdout, res.stdout[-3000:]
     assert "a 1-token request to /v1/completions" in res.stdout, res.stdout[-3000:]
-    # the start-up split from vLLM 0.32's own lines: its model loading (which holds the loader's
-    # weights) and its torch.compile total (which holds dynamo and each graph), each once
+    # the start-up split from vLLM 0.32's own lines: weights from its "Initializing model took" and
+    # "Loading weights took", compile from its CPU runner's "Warming up model for the compilation"
+    # .. "Warming up done." (before: "weights 0.0s", no compile)
     startup = re.search(r"start-up start to healthy ([\d.]+)s \(weights ([\d.]+)s, compile ([\d.]+)s", res.stdout)
     assert startup, res.stdout[-3000:]
     total, weights, compiled = map(float, startup.groups())

@@ -51,9 +51,9 @@ _SECS = r"(\d{1,12}(?:\.\d{1,9})?)(?![\d.])"
 #   "Initializing model took" / "Loading weights took";
 #   vLLM's "torch.compile takes|took X s in total" (older: "graph compilation takes") and
 #   "init engine ... (compilation: X s)" hold its "Dynamo bytecode transform time", each
-#   "Compiling a graph for ... takes" and "Directly load the compiled graph(s) ... took". A
-#   whole is cumulative where a draft model compiles too (5.71 s, then 6.25 s), so its level
-#   keeps the largest, not the sum.
+#   "Compiling a graph for ... takes" and "Directly load the compiled graph(s) ... took". That
+#   whole is a "total": cumulative where a draft model compiles too (5.71 s, then 6.25 s), so
+#   its level keeps the largest, not the sum.
 _VALUES = (
     # sglang 0.5.x prints vLLM's loader line too: its "Load weight end. elapsed=" holds it
     ("weights_s", "whole", _re.compile(r"Load weight end\. elapsed=%s s" % _SECS)),
@@ -69,8 +69,8 @@ _VALUES = (
                                       r"compile range \([^)]{0,64}\)) takes %s s" % _SECS)),
     ("compile_s", "part", _re.compile(r"Dynamo bytecode transform time: %s s" % _SECS)),
     ("compile_s", "part", _re.compile(r"Directly load the compiled graph\(s\) for .{0,200}? took %s s" % _SECS)),
-    ("compile_s", "whole", _re.compile(r"(?:torch\.compile|graph compilation) (?:takes|took) %s s in total" % _SECS)),
-    ("compile_s", "whole", _re.compile(r"init engine \(.{0,80}\) took [0-9.]+ s(?:econds)? \(compilation: %s s\)"
+    ("compile_s", "total", _re.compile(r"(?:torch\.compile|graph compilation) (?:takes|took) %s s in total" % _SECS)),
+    ("compile_s", "total", _re.compile(r"init engine \(.{0,80}\) took [0-9.]+ s(?:econds)? \(compilation: %s s\)"
                                        % _SECS)),
 )
 # sglang's piecewise compile runs within its prefill capture: taken out of capture_s (vLLM
@@ -153,10 +153,7 @@ def start_phases(lines, total=None):
             for key, level, rx in _VALUES:
                 m = rx.search(part)
                 if m:
-                    if level == "whole" and key == "compile_s":  # cumulative: its largest
-                        _phase_max(got, (key, level), float(m.group(1)))
-                    else:
-                        _phase_add(got, (key, level), float(m.group(1)))
+                    _phase_add(got, (key, level), float(m.group(1)))
                     if _COMPILE_IN_CAPTURE in part and _SGLANG_TS.match(part):
                         inside[rank] = inside.get(rank, 0.0) + float(m.group(1))
             if _CPU_COMPILE_BEGIN.search(part):
@@ -217,15 +214,12 @@ def _by_phase(levels):
     return out
 
 
-def _phase_max(got, key, seconds):
-    """A cumulative figure: the largest kept (one past MAX_PHASE_S spoils the phase, as in _phase_add)."""
-    known = got.get(key, 0.0)
-    got[key] = float("nan") if not 0 <= seconds <= MAX_PHASE_S or known != known else max(known, seconds)
-
-
 def _phase_add(got, key, seconds):
-    """A phase's seconds added; a negative part (its end logged before its start) or one past
-    MAX_PHASE_S spoils the phase: it is marked unknown (NaN), never summed into a plausible one."""
+    """A phase's seconds added to its (phase, level); a "total" level's lines are cumulative, so its
+    largest is kept. A negative part (its end logged before its start) or one past MAX_PHASE_S
+    spoils the phase: it is marked unknown (NaN), never summed into a plausible one."""
     if not 0 <= seconds <= MAX_PHASE_S:
         seconds = float("nan")
-    got[key] = got.get(key, 0.0) + seconds
+    known = got.get(key, 0.0)
+    # NaN stays: known + NaN is NaN, and max(NaN, x) keeps the NaN it starts from
+    got[key] = max(known, seconds) if key[1] == "total" and seconds == seconds else known + seconds
