@@ -118,9 +118,16 @@ def main(argv=None) -> int:
     if a.inventory:
         if not (a.base and a.new):
             raise SystemExit("error: --inventory needs --base and --new")
+        from servops.errors import ServopsError
         from servops.inventory import load_inventory
 
-        host = load_inventory(a.inventory).hosts[a.host]
+        try:
+            hosts = load_inventory(a.inventory).hosts
+        except ServopsError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if a.host not in hosts:
+            raise SystemExit(f"error: {a.host}: not a host of {a.inventory} ({', '.join(sorted(hosts))})")
+        host = hosts[a.host]
         inventory, cold, base, news, port = a.inventory, None, a.base, [(a.new, None)], int(host.require("server_port"))
     else:
         lab, inventory, cold, base, news, port = lab_setup()
