@@ -17,6 +17,7 @@
 #             the steps after it use those caches, warm by then
 #   short     tune piecewise-8b-short (128-token prompts): llama8b / -cg / -pw / -breakable, repeated on
 #   long      fresh starts until the intervals are known; `long`: 2048-token prompts
+#   longpw    after downtime: llama8b-pw and llama8b benched at 2048-token prompts (1/8/32, twice each)
 #   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
 # QUICK=1 runs the campaigns lean, for a 30-minute GPU session: each level sends max(2 x level, 16)
 # requests of 64 output tokens, twice on one start (the interval), no fresh-start repeats; the long
@@ -72,6 +73,12 @@ for step in "$@"; do case $step in
             # its caches now hold every kernel of both launches: the steps after it start warm, as a
             # serving host's would, and the -pw audit verdicts it kept (same deploy root) stand
             export SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml;;
+  longpw) # the long-prompt question in one short call, after `downtime` (its -pw release serving, its
+          # llama8b base one rollback away, both on warm caches): 2048-token prompts at 1, 8 and 32, each
+          # release benched twice on its start; no campaign, so no audit, no fresh-start repeats
+          B=(bench --levels 1,8,32 --input-len 2048 --output-len 64 --repeat 2 -H $H)
+          run $PY -m invoke "${B[@]}"; run $PY -m invoke rollback -H $H; run $PY -m invoke "${B[@]}"
+          run $PY -m invoke compare llama8b llama8b-pw-audited -H $H;;
   short) run $PY -m invoke tune piecewise-8b-short -H $H;;
   long) run $PY -m invoke tune piecewise-8b-long -H $H;;
   table) run $PY bench/piecewise_value.py -H $H piecewise-8b-short piecewise-8b-long
