@@ -17,6 +17,7 @@
 #             the steps after it use those caches, warm by then
 #   short     tune piecewise-8b-short (128-token prompts): llama8b / -cg / -pw / -breakable, repeated on
 #   long      fresh starts until the intervals are known; `long`: 2048-token prompts
+#   kitdowntime  downtime on the kit's tiny model (tiny -> tiny-pw; needs device_servops.sh's playbooks)
 #   longpw    after downtime: llama8b-pw and llama8b benched at 2048-token prompts (1/8/32, twice each)
 #   table     bench/piecewise_value.py: the Markdown table of items 2 and 5 ($OUT/piecewise-8b.md)
 # QUICK=1 runs the campaigns lean, for a 30-minute GPU session: each level sends max(2 x level, 16)
@@ -40,6 +41,9 @@ gpu.update(model_path=sys.argv[2], jit_cache_dir="/tmp/servops-jit", health_time
 open("inventory/gpu-8b.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
 gpu["jit_cache_dir"] = "/tmp/servops-jit-dt"
 open("inventory/gpu-8b-dt.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
+# the kit's own tiny model (the goal's "first start ~200 s against 25-30 s for a restart"), caches apart
+gpu.update(model_path="/tmp/models/tiny-llama", jit_cache_dir="/tmp/servops-jit-kit"); gpu.pop("jit_warmup_args")
+open("inventory/gpu-kit-dt.yml", "w").write(yaml.safe_dump(inv, sort_keys=False))
 PYEOF
 export SERVOPS_INVENTORY=inventory/gpu-8b.yml
 run() { echo "### $*" | tee -a "$O/servops-8b.log"; local t0=$(date +%s.%N); timeout 3000 "$@" >>"$O/servops-8b.log" 2>&1; local rc=$?;
@@ -73,6 +77,11 @@ for step in "$@"; do case $step in
             # its caches now hold every kernel of both launches: the steps after it start warm, as a
             # serving host's would, and the -pw audit verdicts it kept (same deploy root) stand
             export SERVOPS_INVENTORY=inventory/gpu-8b-dt.yml;;
+  kitdowntime) # the same measurement on the kit's tiny bf16 model (device_servops.sh writes tiny and
+          # tiny-pw): the goal is stated on it; ~6 min on a fresh machine where the 8B takes ~11
+          mkdir -p -m 700 /tmp/servops-jit-kit
+          run $PY bench/jit_downtime.py -I inventory/gpu-kit-dt.yml -H $H --base tiny --new tiny-pw --skip-audit
+          SERVOPS_INVENTORY=inventory/gpu-kit-dt.yml run $PY -m invoke history -H $H;;
   longpw) # the long-prompt question in one short call, after `downtime` (its -pw release serving, its
           # llama8b base one rollback away, both on warm caches): 2048-token prompts at 1, 8 and 32, each
           # release benched twice on its start; no campaign, so no audit, no fresh-start repeats
