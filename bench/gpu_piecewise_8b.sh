@@ -87,7 +87,9 @@ for step in "$@"; do case $step in
           # release benched twice on its start; no campaign, so no audit, no fresh-start repeats
           B=(bench --levels 1,8,32 --input-len 2048 --output-len 64 --repeat 2 -H $H)
           run $PY -m invoke "${B[@]}"; run $PY -m invoke rollback -H $H; run $PY -m invoke "${B[@]}"
-          run $PY -m invoke compare llama8b llama8b-pw-audited -H $H;;
+          run $PY -m invoke compare llama8b llama8b-pw-audited -H $H
+          base=$(basename "$(ls -d results/$H/*-llama8b | tail -1)"); pw=$(basename "$(ls -d results/$H/*-llama8b-pw-audited | tail -1)")
+          $PY bench/piecewise_value.py -H $H --releases "$base,$pw" > "$O/piecewise-8b-long.md" 2>&1;;
   short) run $PY -m invoke tune piecewise-8b-short -H $H;;
   long) run $PY -m invoke tune piecewise-8b-long -H $H;;
   table) run $PY bench/piecewise_value.py -H $H piecewise-8b-short piecewise-8b-long

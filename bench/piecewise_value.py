@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -101,6 +102,44 @@ def samples(results: Path, host: str, release: str) -> dict[int, dict[str, list[
     return out
 
 
+def metric_table(results: Path, host: str, labeled: list[tuple[str, str]]) -> list[str]:
+    """The Markdown table of TTFT / output tok/s / TPOT per (label, release) and level, the first the base."""
+    data = [(label, samples(results, host, release)) for label, release in labeled]
+    out = ["| variant | concurrency | " + " | ".join(n for _k, n, _d in METRICS) + " | TTFT vs base | runs |",
+           "| --- | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |"]
+    base = data[0][1] if data else {}
+    for i, (label, levels) in enumerate(data):
+        for level in sorted(levels):
+            m = levels[level]
+            vs = "(base)" if i == 0 else welch((base.get(level) or {}).get("ttft_p50") or [], m.get("ttft_p50") or [])
+            out.append(f"| {label} | {level} | " + " | ".join(shown(m.get(k) or [], d) for k, _n, d in METRICS)
+                       + f" | {vs} | {max(len(v) for v in m.values()) if m else 0} |")
+    return out
+
+
+def bench_config(results: Path, host: str, releases: list[str]) -> dict:
+    """The first bench's config of these releases (prompt and output lengths), {} if none ran."""
+    first = next((bench.load_result(p) for r in releases for p in sorted((results / host / r).glob("*.jsonl"))), None)
+    return (first or {}).get("config") or {}
+
+
+def lengths(cfg: dict) -> str:
+    return (f"prompts {cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens" if cfg
+            else "no bench of these releases finished")
+
+
+RANDOM = "Random weights: the kernels run at the real shape's speed, the text is noise and every request runs to max_tokens."
+
+
+def releases_table(results: Path, host: str, releases: list[str]) -> list[str]:
+    """Releases benched outside a campaign (bench/gpu_piecewise_8b.sh longpw), the first the base."""
+    missing = [r for r in releases if not any((results / host / r).glob("*.jsonl"))]
+    if missing:
+        raise SystemExit(f"error: no bench results of {', '.join(missing)} in {results / host}")
+    return ([f"### {', '.join(releases)} on {host}", "", lengths(bench_config(results, host, releases)) + ". " + RANDOM, ""]
+            + metric_table(results, host, [(r, r) for r in releases]))
+
+
 def campaign_table(results: Path, host: str, name: str) -> list[str]:
     log = results / host / "campaigns" / name / "trials.jsonl"
     entries = read_log(log)
@@ -108,25 +147,10 @@ def campaign_table(results: Path, host: str, name: str) -> list[str]:
         raise SystemExit(f"error: no trials in {log}")
     facts = next((e.get("facts") for e in entries if e.get("phase") == "campaign"), None) or {}
     ran = trials(entries)
-    data = {t["trial"]: samples(results, host, t["release"]) for t in ran}
-    first = next((bench.load_result(p) for t in ran for p in sorted((results / host / t["release"]).glob("*.jsonl"))),
-                 None) or {}
-    cfg = first.get("config") or {}
     out = [f"### {name} on {host}", "",
            f"{', '.join(f'{k} {v}' for k, v in sorted(facts.items())) or 'facts not recorded'}; "
-           + (f"prompts {cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens" if cfg
-              else "no bench of this campaign finished")
-           + ". Random weights: the kernels run at the real shape's speed, the text is noise and every request runs "
-             "to max_tokens.", "",
-           "| variant | concurrency | " + " | ".join(n for _k, n, _d in METRICS) + " | TTFT vs base | runs |",
-           "| --- | ---: | " + " | ".join("---:" for _ in METRICS) + " | ---: | ---: |"]
-    base = data.get(ran[0]["trial"]) or {}
-    for t in ran:
-        for level in sorted(data[t["trial"]]):
-            m = data[t["trial"]][level]
-            vs = "(base)" if t is ran[0] else welch((base.get(level) or {}).get("ttft_p50") or [], m.get("ttft_p50") or [])
-            out.append(f"| {t['label']} | {level} | " + " | ".join(shown(m.get(k) or [], d) for k, _n, d in METRICS)
-                       + f" | {vs} | {max(len(v) for v in m.values()) if m else 0} |")
+           + lengths(bench_config(results, host, [t["release"] for t in ran])) + ". " + RANDOM, ""]
+    out += metric_table(results, host, [(t["label"], t["release"]) for t in ran])
     out += ["", "| variant | starts | " + " | ".join(startup.NAMES.get(p, "to healthy") for p in PHASES) + " |",
             "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
     for t in ran:
@@ -146,16 +170,26 @@ def campaign_table(results: Path, host: str, name: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("campaigns", nargs="+", help="campaign names (one per prompt length)")
+    ap.add_argument("campaigns", nargs="*", help="campaign names (one per prompt length)")
     ap.add_argument("-H", "--host", required=True)
     ap.add_argument("--results", type=Path, default=bench.RESULTS_ROOT)
+    ap.add_argument("--releases", default="", help="comma-separated releases benched outside a campaign, the "
+                                                   "first the base: their bench table (no start-up)")
     a = ap.parse_args(argv)
+    releases = [r.strip() for r in a.releases.split(",") if r.strip()]
+    bad = [r for r in releases if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r)]
+    if bad:  # a name is a folder under results/<host>/: never a path
+        ap.error(f"--releases {bad[0]!r}: a release name is letters, digits, '.', '_' and '-'")
+    if not (a.campaigns or releases):
+        ap.error("name a campaign or --releases")
     lines = ["## What piecewise CUDA graphs buy", "",
              "Means of every bench run of each variant's release with their 95% intervals; TTFT vs base: the "
              "difference of the means and its 95% interval (Welch), `(noise)` where it holds zero. Start-up: each "
              "start the campaign logged, time to healthy and the phases the engine's log showed.", ""]
     for name in a.campaigns:
         lines += campaign_table(a.results, a.host, name) + [""]
+    if releases:
+        lines += releases_table(a.results, a.host, releases) + [""]
     print("\n".join(lines).rstrip())
     return 0
 

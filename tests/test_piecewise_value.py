@@ -9,8 +9,11 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO, playbooks_with, run_invoke
+from conftest import REPO, bench_script, playbooks_with, run_invoke
+from servops.campaignrecord import read_log
 from servops.lab.sshd import free_port
+
+pv = bench_script("piecewise_value")
 
 PACED = """extends: baseline
 env: {SGLANG_DOUBLE_TOKEN_DELAY: '0.004', SGLANG_DOUBLE_STEP_PER_SEQ: '0.001', SGLANG_DOUBLE_EAGER_FACTOR: '3',
@@ -59,3 +62,19 @@ def test_the_table_shows_each_variant_with_intervals_and_its_start_up(lab, tmp_p
         assert re.fullmatch(one, cells[2]) and re.fullmatch(one, cells[6]), row  # to healthy; capture
         assert cells[4] == cells[5] == "not in the log", row  # the double builds no JIT here, compiles nothing
     assert start_rows[0].split(" | ")[1] == "2"  # the base: its deploy and the restart before its repeat
+
+    # the same releases benched outside a campaign (gpu_piecewise_8b.sh longpw): --releases, the first the base
+    # (trials.jsonl's order), gives the same rows under the release names, and no start-up table
+    ran = pv.trials(read_log(results / "lab1" / "campaigns" / "pv" / "trials.jsonl"))
+    rel = subprocess.run([sys.executable, "bench/piecewise_value.py", "-H", "lab1", "--results", str(results),
+                          "--releases", ",".join(t["release"] for t in ran)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rel.returncode == 0, rel.stderr
+    rows = [l for l in rel.stdout.splitlines() if re.match(r"\| \S+ \| \d+ \|", l)]
+    assert [r.split(" | ", 1)[1] for r in rows] == [r.split(" | ", 1)[1] for r in metric_rows], rel.stdout
+    assert [r.split(" | ")[0] for r in rows] == [f"| {t['release']}" for t in ran for _ in (1, 4)]
+    assert "| variant | starts" not in rel.stdout and "prompts 16 tokens, outputs 8 tokens" in rel.stdout
+    for bad in ("../lab1", "nope"):  # a path is refused; a release with no results is named
+        res = subprocess.run([sys.executable, "bench/piecewise_value.py", "-H", "lab1", "--results", str(results),
+                              "--releases", bad], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and bad in res.stderr.strip().splitlines()[-1], res.stderr
