@@ -52,31 +52,49 @@ class Outage:
 
     def __init__(self, port: int):
         self.url, self.armed, self.longest, self.down_since = f"http://127.0.0.1:{port}/health", False, 0.0, None
+        self.last_ok, self.last_error = 0.0, "no poll yet"
+        # never through a proxy: the GPU host's environment names one that cannot reach its loopback
+        # (there, every poll failed and both downtimes read 0)
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _ok(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url, timeout=0.5) as r:
-                return r.status == 200
-        except OSError:
-            return False
+            with self.opener.open(self.url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+                self.last_error = f"HTTP {r.status}"
+        except OSError as exc:
+            self.last_error = str(exc)
+        return False
 
     def _run(self) -> None:
         while not self.stop.is_set():
             ok, now = self._ok(), time.monotonic()
             if self.armed and not ok and self.down_since is None:
                 self.down_since = now
-            if ok and self.down_since is not None:
-                self.longest = max(self.longest, now - self.down_since)
-                self.down_since = None
+            if ok:
+                self.last_ok = now
+                if self.down_since is not None:
+                    self.longest = max(self.longest, now - self.down_since)
+                    self.down_since = None
             time.sleep(0.02)
 
     def measure(self, run) -> float:
+        """The verb's downtime; an error where the poller has not seen the server answer since."""
         self.longest, self.down_since, self.armed = 0.0, None, True
+        start = time.monotonic()
         run()
-        time.sleep(0.3)  # the poller sees the server back
+        deadline = time.monotonic() + 10
+        while self.last_ok <= start and time.monotonic() < deadline:  # the poller sees the server back
+            time.sleep(0.05)
+        time.sleep(0.1)
         self.armed = False
+        if self.last_ok <= start:
+            raise SystemExit(f"error: {self.url} gave no 200 to this bench's poller during or after the verb "
+                             f"(last: {self.last_error}), though servops found the server healthy: no downtime "
+                             "can be measured from here")
         return self.longest
 
 

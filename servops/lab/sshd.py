@@ -85,11 +85,19 @@ class SshServer:
     user: str
     proc: subprocess.Popen | None = None
     home: Path | None = None  # the "host's" HOME (the lab: the home of whoever ran lab.up)
+    # variables every session gets, as a host's /etc/environment sets them
+    env: dict[str, str] | None = None
 
     @property
     def known_hosts_line(self) -> str:
         kind, b64 = self.host_key.with_suffix(".pub").read_text().split()[:2]
         return f"[{self.address}]:{self.port} {kind} {b64}\n"
+
+    def _set_env(self) -> str:
+        pairs = ([f"HOME={self.home}"] if self.home else []) + [f"{k}={v}" for k, v in (self.env or {}).items()]
+        if any(c in '"\n\r' for pair in pairs for c in pair):  # sshd_config quotes with '"', has no escape
+            raise ValueError(f"sshd SetEnv cannot hold a double quote or a line break: {pairs}")
+        return ("SetEnv " + " ".join('"%s"' % p for p in pairs) + "\n") if pairs else ""
 
     def start(self) -> "SshServer":
         sshd = find_sshd()
@@ -105,7 +113,7 @@ class SshServer:
             "PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\nMaxStartups 100:30:200\n"
             "MaxSessions 100\nAllowTcpForwarding yes\nPrintMotd no\nLogLevel ERROR\n"
             f"Subsystem sftp internal-sftp\nAllowUsers {self.user}\n"
-            + (f"SetEnv HOME={self.home}\n" if self.home else "")
+            + self._set_env()
         )
         self.proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "sshd.log", "ab"), start_new_session=True)

@@ -84,7 +84,7 @@ def http_json(port, path, body=None, timeout=10):
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data,
                                  headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with local_urlopen(req, timeout) as r:
         return r.status, r.read(8 << 20)
 
 

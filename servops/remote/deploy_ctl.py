@@ -639,7 +639,7 @@ def touch_private(path):
 def http_get(port, path, timeout=2.0):
     """(status, body) of a GET on the server; (None, error) when nothing answers."""
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
+        with local_urlopen("http://127.0.0.1:%d%s" % (port, path), timeout) as r:
             return r.status, r.read(65536).decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         return exc.code, ""
@@ -666,7 +666,7 @@ def first_request(port, path, timeout=120.0):
     req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with local_urlopen(req, timeout) as r:
             return r.status, r.read(4096).decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         try:

@@ -1,6 +1,5 @@
 import shutil
 import subprocess
-import urllib.request
 
 # What is read of /metrics, at most (as `logs` bounds a log): a real server's, TP8 with every
 # rank's series, is well under 1 MiB; a bigger one is cut at its last whole line within this.
@@ -10,7 +9,7 @@ METRICS_MAX_BYTES = 4 << 20
 def main():
     out = {"site": []}
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % int(ARGS["port"]), timeout=10) as r:
+        with local_urlopen("http://127.0.0.1:%d/metrics" % int(ARGS["port"]), 10) as r:
             data = r.read(METRICS_MAX_BYTES + 1)
             if len(data) > METRICS_MAX_BYTES:
                 data = data[:data.rfind(b"\n", 0, METRICS_MAX_BYTES) + 1]
