@@ -53,8 +53,8 @@ class Outage:
     def __init__(self, port: int):
         self.url, self.armed, self.longest, self.down_since = f"http://127.0.0.1:{port}/health", False, 0.0, None
         self.last_ok, self.last_error = 0.0, "no poll yet"
-        # never through a proxy: the GPU host's environment names one that cannot reach its loopback
-        # (there, every poll failed and both downtimes read 0)
+        # never through a proxy, which cannot reach the host's loopback (on the GPU kit's H100 every poll
+        # failed and both downtimes read 0; proxy variables in its environment the likely cause)
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self.stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()

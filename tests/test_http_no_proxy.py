@@ -59,7 +59,8 @@ def test_local_urlopen_ignores_the_proxy_variables(monkeypatch):
     url = f"http://127.0.0.1:{srv.server_address[1]}/health"
     try:
         try:
-            urllib.request.urlopen(url, timeout=5)
+            # a fresh default opener reads the variables now (urlopen's global one may predate them)
+            urllib.request.build_opener().open(url, timeout=5)
             reached_through_proxy = True
         except OSError:
             reached_through_proxy = False

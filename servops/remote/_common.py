@@ -249,18 +249,13 @@ def append_journal(path, entry):
     return append_entry(path, entry)
 
 
-_LOCAL_OPENER = []
-
-
 def local_urlopen(target, timeout):
     """urlopen for the server on this host (http://127.0.0.1:PORT), never through a proxy. GPU
     hosts often carry http_proxy (/etc/environment, or the inventory's env for the engine's
     downloads) with a no_proxy that lacks 127.0.0.1; urllib would then send the health gate, the
     first request and the /metrics scrape to a proxy that cannot reach this host's loopback."""
-    if not _LOCAL_OPENER:
-        import urllib.request
-        _LOCAL_OPENER.append(urllib.request.build_opener(urllib.request.ProxyHandler({})))
-    return _LOCAL_OPENER[0].open(target, timeout=timeout)
+    import urllib.request
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(target, timeout=timeout)
 
 
 def replace_with(path, data, mode=0o600, tmp=None):
