@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from servops import bench, startup  # noqa: E402
 from servops.campaignrecord import read_log  # noqa: E402
+from servops.releases import RELEASE_NAME_RE  # noqa: E402
 
 METRICS = (("ttft_p50", "TTFT p50 ms", 1), ("output_tps", "output tok/s", 0), ("tpot_p50", "TPOT p50 ms", 2))
 PHASES = ("start_s", "weights_s", "jit_s", "compile_s", "capture_s", "other_s")
@@ -123,12 +123,12 @@ def bench_config(results: Path, host: str, releases: list[str]) -> dict:
     return (first or {}).get("config") or {}
 
 
-def lengths(cfg: dict) -> str:
-    return (f"prompts {cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens" if cfg
-            else "no bench of these releases finished")
-
-
-RANDOM = "Random weights: the kernels run at the real shape's speed, the text is noise and every request runs to max_tokens."
+def bench_words(cfg: dict) -> str:
+    """What was benched, and what random weights mean for it (said wherever a figure is shown)."""
+    return ((f"prompts {cfg.get('input_len', '?')} tokens, outputs {cfg.get('output_len', '?')} tokens" if cfg
+             else "no bench of these releases finished")
+            + ". Random weights: the kernels run at the real shape's speed, the text is noise and every request "
+              "runs to max_tokens.")
 
 
 def releases_table(results: Path, host: str, releases: list[str]) -> list[str]:
@@ -136,7 +136,7 @@ def releases_table(results: Path, host: str, releases: list[str]) -> list[str]:
     missing = [r for r in releases if not any((results / host / r).glob("*.jsonl"))]
     if missing:
         raise SystemExit(f"error: no bench results of {', '.join(missing)} in {results / host}")
-    return ([f"### {', '.join(releases)} on {host}", "", lengths(bench_config(results, host, releases)) + ". " + RANDOM, ""]
+    return ([f"### {', '.join(releases)} on {host}", "", bench_words(bench_config(results, host, releases)), ""]
             + metric_table(results, host, [(r, r) for r in releases]))
 
 
@@ -149,7 +149,7 @@ def campaign_table(results: Path, host: str, name: str) -> list[str]:
     ran = trials(entries)
     out = [f"### {name} on {host}", "",
            f"{', '.join(f'{k} {v}' for k, v in sorted(facts.items())) or 'facts not recorded'}; "
-           + lengths(bench_config(results, host, [t["release"] for t in ran])) + ". " + RANDOM, ""]
+           + bench_words(bench_config(results, host, [t["release"] for t in ran])), ""]
     out += metric_table(results, host, [(t["label"], t["release"]) for t in ran])
     out += ["", "| variant | starts | " + " | ".join(startup.NAMES.get(p, "to healthy") for p in PHASES) + " |",
             "| --- | ---: | " + " | ".join("---:" for _ in PHASES) + " |"]
@@ -177,9 +177,9 @@ def main(argv=None) -> int:
                                                    "first the base: their bench table (no start-up)")
     a = ap.parse_args(argv)
     releases = [r.strip() for r in a.releases.split(",") if r.strip()]
-    bad = [r for r in releases if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", r)]
-    if bad:  # a name is a folder under results/<host>/: never a path
-        ap.error(f"--releases {bad[0]!r}: a release name is letters, digits, '.', '_' and '-'")
+    bad = [r for r in releases if not RELEASE_NAME_RE.fullmatch(r)]
+    if bad:  # the folder under results/<host>/ bench writes for a release: never a path
+        ap.error(f"--releases {bad[0]!r}: not a release name (<UTC time>-<variant>, as `invoke releases` lists them)")
     if not (a.campaigns or releases):
         ap.error("name a campaign or --releases")
     lines = ["## What piecewise CUDA graphs buy", "",

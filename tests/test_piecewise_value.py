@@ -74,7 +74,7 @@ def test_the_table_shows_each_variant_with_intervals_and_its_start_up(lab, tmp_p
     assert [r.split(" | ", 1)[1] for r in rows] == [r.split(" | ", 1)[1] for r in metric_rows], rel.stdout
     assert [r.split(" | ")[0] for r in rows] == [f"| {t['release']}" for t in ran for _ in (1, 4)]
     assert "| variant | starts" not in rel.stdout and "prompts 16 tokens, outputs 8 tokens" in rel.stdout
-    for bad in ("../lab1", "nope"):  # a path is refused; a release with no results is named
+    for bad in ("../lab1", "20260101T000000Z-nope"):  # a path is refused; a release with no results is named
         res = subprocess.run([sys.executable, "bench/piecewise_value.py", "-H", "lab1", "--results", str(results),
                               "--releases", bad], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert res.returncode != 0 and bad in res.stderr.strip().splitlines()[-1], res.stderr
